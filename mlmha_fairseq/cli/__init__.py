@@ -1,0 +1,1 @@
+"""Command-line entry points (``python -m mlmha_fairseq.cli.<name> --help``)."""

@@ -1,0 +1,133 @@
+"""Slots: the places of the Transformer where this package's mechanisms plug in.
+
+Every mechanism of the source documents changes one of a few places of the standard
+Transformer (DESIGN.md, "papers are presets, mechanisms are slots"). Each place is a
+:class:`Slot`. A mechanism registers a *filler* for a slot: a function of the model
+configuration (and of where it is built, e.g. the layer index) that returns a module,
+or ``None`` when the configuration does not ask for that mechanism there. When no filler
+claims a slot, the model keeps fairseq's own module, so with every option off the model
+is exactly fairseq's transformer. Two fillers claiming the same slot is a configuration
+error, reported with both names.
+
+Mechanisms also register their command-line options here (:func:`register_options`), so
+that ``fairseq-train --arch slot_transformer --help`` lists every option of every slot.
+"""
+from typing import Callable, Dict, List, Optional
+
+import torch.nn as nn
+from fairseq.utils import safe_getattr
+
+Filler = Callable[..., Optional[nn.Module]]
+
+
+DEFAULT = "standard"
+
+
+class Slot:
+    """A named place of the model that mechanisms can fill.
+
+    A slot with an ``option`` (e.g. ``--decoder-cross-attention``) is chosen by the user:
+    fillers registered with ``selectable=True`` are the option's choices besides
+    ``standard`` (fairseq's module) and are built only when chosen. Other fillers are
+    built for every configuration and claim the slot by returning a module; they read
+    their own mechanism's options (e.g. ``--layer-aggregation``).
+    """
+
+    def __init__(self, name: str, option: Optional[str] = None):
+        self.name = name
+        self.option = option
+        self._fillers: Dict[str, Filler] = {}
+        self._selectable: List[str] = []
+
+    @property
+    def dest(self) -> str:
+        return self.option.lstrip("-").replace("-", "_")
+
+    def register(self, filler_name: str, selectable: bool = False):
+        """Decorator registering ``fn(cfg, **context) -> Optional[nn.Module]`` under a name."""
+        if selectable and self.option is None:
+            raise ValueError(f"the {self.name} slot has no option to select {filler_name!r}")
+
+        def wrapper(fn: Filler) -> Filler:
+            if filler_name in self._fillers or filler_name == DEFAULT:
+                raise ValueError(f"{self.name}: filler {filler_name!r} registered twice")
+            self._fillers[filler_name] = fn
+            if selectable:
+                self._selectable.append(filler_name)
+            return fn
+
+        return wrapper
+
+    @property
+    def choices(self) -> List[str]:
+        return [DEFAULT] + self._selectable
+
+    def add_option(self, parser):
+        parser.add_argument(
+            self.option,
+            choices=self.choices,
+            help=f"what fills the {self.name} slot ({DEFAULT}: fairseq's module)",
+        )
+
+    def selected(self, cfg) -> str:
+        return (safe_getattr(cfg, self.dest) or DEFAULT) if self.option else DEFAULT
+
+    def build(self, cfg, **context) -> Optional[nn.Module]:
+        """The module of the one filler that claims this slot for ``cfg``, or None."""
+        selected = self.selected(cfg)
+        claimed = {}
+        for name, fn in self._fillers.items():
+            if name in self._selectable and name != selected:
+                continue
+            module = fn(cfg, **context)
+            if module is not None:
+                claimed[name] = module
+        if len(claimed) > 1:
+            raise ValueError(
+                f"the {self.name} slot{_where(context)} is claimed by several mechanisms "
+                f"({', '.join(claimed)}): choose one"
+            )
+        return next(iter(claimed.values()), None)
+
+
+def _where(context) -> str:
+    if "layer_idx" in context:
+        return f" of layer {context['layer_idx'] + 1}"
+    return ""
+
+
+ENCODER_SELF_ATTENTION = Slot("encoder self-attention", "--encoder-self-attention")
+DECODER_SELF_ATTENTION = Slot("decoder self-attention", "--decoder-self-attention")
+DECODER_CROSS_ATTENTION = Slot("decoder cross-attention", "--decoder-cross-attention")
+ENCODER_MEMORY = Slot("encoder memory")
+DECODER_OUTPUT = Slot("decoder output")
+SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
+
+_OPTION_GROUPS: List[Callable] = []
+_DEFAULTS: List[Callable] = []
+
+
+def register_options(add_args: Callable, set_defaults: Callable):
+    """Register a mechanism's ``add_args(parser)`` and its ``set_defaults(args)``.
+
+    ``set_defaults`` must only fill options the user did not give
+    (``args.x = getattr(args, "x", default)``), like fairseq's architecture functions.
+    """
+    _OPTION_GROUPS.append(add_args)
+    _DEFAULTS.append(set_defaults)
+
+
+def add_slot_args(parser):
+    """The slot choices and every registered mechanism's options."""
+    for slot in SELECTABLE_SLOTS:
+        slot.add_option(parser)
+    for add_args in _OPTION_GROUPS:
+        add_args(parser)
+
+
+def set_slot_defaults(args):
+    """Every slot at fairseq's module, every mechanism off (unless already set)."""
+    for slot in SELECTABLE_SLOTS:
+        setattr(args, slot.dest, getattr(args, slot.dest, DEFAULT))
+    for set_defaults in _DEFAULTS:
+        set_defaults(args)

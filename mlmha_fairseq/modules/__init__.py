@@ -1,0 +1,1 @@
+"""Plain torch modules, one mechanism per file, without fairseq registry code."""

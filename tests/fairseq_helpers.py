@@ -1,0 +1,128 @@
+"""Shared test helpers: a tiny synthetic corpus, fairseq command-line runs, and models
+built in Python from fairseq's own argument parser."""
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from fairseq import options, tasks
+from fairseq.data import Dictionary
+
+import mlmha_fairseq
+
+USER_DIR = os.path.dirname(mlmha_fairseq.__file__)
+VOCAB = [f"w{i}" for i in range(24)]
+
+# A model small enough to train a few updates on a CPU in about a second.
+TINY_MODEL_ARGS = [
+    "--encoder-layers", "3", "--decoder-layers", "2",
+    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+]
+
+
+def write_reversal_corpus(directory: Path, sizes=(("train", 300), ("valid", 16), ("test", 16)), seed=0):
+    """A toy translation task (target = source reversed) in plain text files."""
+    rng = random.Random(seed)
+    for split, n in sizes:
+        with open(directory / f"{split}.src", "w") as src, open(directory / f"{split}.tgt", "w") as tgt:
+            for _ in range(n):
+                words = [rng.choice(VOCAB) for _ in range(rng.randint(3, 9))]
+                src.write(" ".join(words) + "\n")
+                tgt.write(" ".join(reversed(words)) + "\n")
+
+
+def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None):
+    """Run ``fairseq-<tool>`` (as ``python -m fairseq_cli.<tool>``) and return the result."""
+    result = subprocess.run(
+        [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, input=input, env=env,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"fairseq-{tool} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def preprocess(corpus: Path, destdir: Path):
+    run_fairseq(
+        "preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", corpus / "train", "--validpref", corpus / "valid",
+        "--testpref", corpus / "test", "--destdir", destdir,
+        "--joined-dictionary", "--workers", "1",
+    )
+
+
+def train_args(data_bin: Path, save_dir: Path, arch: str, *extra, max_update=3):
+    return [
+        data_bin, "--user-dir", USER_DIR, "--arch", arch, *TINY_MODEL_ARGS,
+        "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400",
+        "--max-update", max_update, "--cpu", "--save-dir", save_dir,
+        "--no-progress-bar", "--log-interval", "1", "--seed", "1",
+        "--num-workers", "0", *extra,
+    ]
+
+
+def toy_dictionary(words=VOCAB) -> Dictionary:
+    dictionary = Dictionary()
+    for word in words:
+        dictionary.add_symbol(word)
+    return dictionary
+
+
+def build_model(arch: str, *extra, dictionary=None):
+    """A model built exactly as fairseq-train builds it, on a toy joint dictionary."""
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser,
+        ["unused-data-dir", "--task", "translation", "--user-dir", USER_DIR,
+         "--arch", arch, *TINY_MODEL_ARGS, *map(str, extra)],
+    )
+    dictionary = dictionary or toy_dictionary()
+    task = tasks.translation.TranslationTask(args, dictionary, dictionary)
+    return task.build_model(args)
+
+
+def random_batch(dictionary: Dictionary, batch_size=4, src_len=7, tgt_len=6, left_pad=True, seed=0):
+    """Source tokens with varied lengths (padded on the left like fairseq's default) and
+    teacher-forcing decoder inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = dictionary.nspecial, len(dictionary)
+    src = torch.randint(low, high, (batch_size, src_len), generator=gen)
+    lengths = torch.tensor([src_len - (i % 3) for i in range(batch_size)])
+    for i, length in enumerate(lengths):
+        pad = slice(0, src_len - length) if left_pad else slice(length, src_len)
+        src[i, pad] = dictionary.pad()
+        src[i, src_len - 1 if left_pad else length - 1] = dictionary.eos()
+    prev = torch.randint(low, high, (batch_size, tgt_len), generator=gen)
+    prev[:, 0] = dictionary.eos()
+    return src, lengths, prev
+
+
+def full_logits(model, src, lengths, prev):
+    encoder_out = model.encoder(src, src_lengths=lengths)
+    return model.decoder(prev, encoder_out=encoder_out)[0]
+
+
+def assert_incremental_matches_full(model, dictionary, new_order=(2, 0, 0, 3, 1), reorder_step=2, atol=1e-5):
+    """Step-by-step decoding with fairseq's incremental state equals the teacher-forced
+    forward pass, also after a beam-search-like reordering of the batch (rows repeated,
+    dropped and permuted) in the middle of decoding, as SequenceGenerator does."""
+    model.eval()
+    src, lengths, prev = random_batch(dictionary, batch_size=4)
+    new_order = torch.tensor(new_order)
+    with torch.no_grad():
+        before = full_logits(model, src, lengths, prev)
+        after = full_logits(model, src[new_order], lengths[new_order], prev[new_order])
+        encoder_out = model.encoder(src, src_lengths=lengths)
+        state, rows = {}, prev
+        for step in range(prev.size(1)):
+            if step == reorder_step:
+                encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+                model.decoder.reorder_incremental_state_scripting(state, new_order)
+                rows = prev[new_order]
+            out = model.decoder(rows[:, : step + 1], encoder_out=encoder_out, incremental_state=state)[0]
+            expected = (after if step >= reorder_step else before)[:, step : step + 1]
+            torch.testing.assert_close(out, expected, atol=atol, rtol=1e-5, msg=f"step {step}")
