@@ -2,10 +2,12 @@
 built in Python from fairseq's own argument parser."""
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import sacrebleu
 import torch
 from fairseq import options, tasks
 from fairseq.data import Dictionary
@@ -63,6 +65,33 @@ def train_args(data_bin: Path, save_dir: Path, arch: str, *extra, max_update=3):
         "--no-progress-bar", "--log-interval", "1", "--seed", "1",
         "--num-workers", "0", *extra,
     ]
+
+
+def generate(data_bin, checkpoint, *extra):
+    """fairseq-generate's stdout for the test split."""
+    return run_fairseq(
+        "generate", data_bin, "--user-dir", USER_DIR, "--path", checkpoint,
+        "--beam", "2", "--cpu", "--max-len-a", "1", "--max-len-b", "5", *extra,
+    ).stdout
+
+
+def hypotheses_and_references(generate_output):
+    """D- and T- lines of fairseq-generate, in sentence order."""
+    lines = {}
+    for kind in ("D", "T"):
+        rows = re.findall(rf"^{kind}-(\d+)\t(?:[^\t]*\t)?(.*)$", generate_output, flags=re.M)
+        lines[kind] = [text for _, text in sorted(rows, key=lambda row: int(row[0]))]
+    return lines["D"], lines["T"]
+
+
+def assert_round_trip(data_bin, save_dir, arch, *extra, generate_options=()):
+    """fairseq-train (a few updates) -> checkpoint -> fairseq-generate -> sacreBLEU."""
+    run_fairseq("train", *train_args(data_bin, save_dir, arch, *extra))
+    checkpoint = save_dir / "checkpoint_last.pt"
+    assert checkpoint.exists()
+    hyps, refs = hypotheses_and_references(generate(data_bin, checkpoint, *generate_options))
+    assert len(hyps) == len(refs) == 16
+    assert 0.0 <= sacrebleu.corpus_bleu(hyps, [refs]).score <= 100.0
 
 
 def toy_dictionary(words=VOCAB) -> Dictionary:

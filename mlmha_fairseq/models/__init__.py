@@ -1,3 +1,4 @@
-"""Models and architectures. Mechanism modules register their slot fillers and options
-before the model's ``add_args`` reads them, so they are imported first."""
+"""Models and architectures: the slot Transformer, then one module per paper that fills its
+slots and registers the paper's presets."""
 from . import slot_transformer  # noqa: F401
+from . import joint_attention  # noqa: F401
