@@ -15,5 +15,5 @@ setup(
     packages=find_packages(include=["mlmha_fairseq", "mlmha_fairseq.*"]),
     python_requires=">=3.8",
     install_requires=["sacrebleu>=2.0", "sacremoses", "subword-nmt", "numpy"],
-    extras_require={"analysis": ["compare-mt", "six", "matplotlib"]},
+    extras_require={"analysis": ["compare-mt", "six", "matplotlib", "scikit-learn"]},
 )

@@ -1,1 +1,3 @@
-"""Tasks."""
+"""Tasks (imported explicitly: fairseq only auto-imports a user directory's ``tasks/``
+when it is given by path)."""
+from . import translation_gnmt  # noqa: F401

@@ -1,0 +1,17 @@
+"""Evaluation and analysis toolkit (scoring protocols, significance, analyses).
+
+One module per mechanism:
+
+- ``text_io``: reading aligned text files with clear errors.
+- ``generate_output``: parsing ``fairseq-generate`` output (S-/T-/H-/D- lines).
+- ``scoring``: the documents' BLEU/chrF protocols on top of sacreBLEU.
+- ``significance``: paired bootstrap (sacreBLEU, compare-mt, thesis protocol) and
+  paired approximate randomization.
+- ``length_buckets``: BLEU by source-length bucket.
+- ``attention_statistics``: encoder self-attention mean distance and entropy.
+- ``model_loading``: loading a fairseq checkpoint and encoding sentences.
+- ``probing``: probing classifiers on frozen encoder features.
+- ``checkpoint_averaging``: averaging fairseq checkpoints.
+- ``plotting``: the PNG figures written by every analysis.
+- ``cli_support``: argparse options and error handling shared by ``mlmha_fairseq.cli``.
+"""

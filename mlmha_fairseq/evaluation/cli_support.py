@@ -1,0 +1,102 @@
+"""Argparse options and error handling shared by the ``mlmha_fairseq.cli`` evaluation tools."""
+import argparse
+import logging
+import os
+from typing import List, Optional, Sequence
+
+from mlmha_fairseq.evaluation.scoring import (
+    DEFAULT_PROTOCOL,
+    HYP_FIELDS,
+    INPUT_FORMATS,
+    METRICS,
+    PROTOCOLS,
+    Protocol,
+    TextOptions,
+    resolve_protocol,
+)
+from mlmha_fairseq.evaluation.text_io import InputError
+
+SUBWORD_NMT = "subword_nmt"
+
+
+def protocols_epilog() -> str:
+    """The protocol list for ``--help``."""
+    lines = ["protocols:"] + [f"  {p.name:<27} {p.description}" for p in PROTOCOLS.values()]
+    return "\n".join(lines)
+
+
+def make_parser(module: str, description: str, epilog: Optional[str] = None) -> argparse.ArgumentParser:
+    """A parser whose usage line reads ``python -m MODULE``."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+                                   epilog=epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_text_options(parser: argparse.ArgumentParser) -> None:
+    """Options choosing the protocol and how hypothesis/reference text is read."""
+    group = parser.add_argument_group("scoring protocol and input text")
+    group.add_argument("--protocol", choices=sorted(PROTOCOLS), default=DEFAULT_PROTOCOL,
+                       help="scoring protocol (see the list below; default: %(default)s)")
+    group.add_argument("--metric", choices=METRICS, help="override the protocol's metric")
+    group.add_argument("--tokenize", help="override the protocol's sacreBLEU tokenizer "
+                                          "(13a, intl, none, zh, ...)")
+    group.add_argument("--lowercase", action="store_true", help="case-insensitive scoring")
+    group.add_argument("--hyp-field", choices=HYP_FIELDS,
+                       help="fairseq-generate line to score: D (detokenized) or H (tokenized); "
+                            "default: the protocol's")
+    group.add_argument("--input-format", choices=INPUT_FORMATS, default="plain",
+                       help="system files are plain text or fairseq-generate output "
+                            "(default: %(default)s)")
+    group.add_argument("--ref", nargs="+", default=[],
+                       help="reference file(s); several for multi-reference BLEU. Default with "
+                            "--input-format generate: the T- lines")
+    group.add_argument("--remove-bpe", nargs="?", const=SUBWORD_NMT, default=None,
+                       metavar="SYMBOL",
+                       help="undo BPE in hypotheses (and T- references) with fairseq's rule "
+                            "for SYMBOL (default when given: subword_nmt)")
+    group.add_argument("--detokenize", metavar="LANG",
+                       help="Moses-detokenize hypotheses (and T- references) for language LANG")
+
+
+def protocol_from_args(args: argparse.Namespace) -> Protocol:
+    return resolve_protocol(args.protocol, metric=args.metric, tokenize=args.tokenize,
+                            lowercase=True if args.lowercase else None, hyp_field=args.hyp_field)
+
+
+def text_options_from_args(args: argparse.Namespace) -> TextOptions:
+    return TextOptions(input_format=args.input_format, bpe_symbol=args.remove_bpe,
+                       detokenize_lang=args.detokenize)
+
+
+def add_output_prefix(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--output-prefix", default=default,
+                        help="write PREFIX.csv, PREFIX.json and PREFIX*.png (default: %(default)s)")
+
+
+def system_names(parser: argparse.ArgumentParser, paths: Sequence[str],
+                 names: Optional[Sequence[str]]) -> List[str]:
+    """``--names`` if given (one per file), else the file names without directory."""
+    if names is None:
+        names = [os.path.basename(path) for path in paths]
+    if len(names) != len(paths):
+        parser.error(f"--names has {len(names)} entries for {len(paths)} files")
+    if len(set(names)) != len(names):
+        parser.error("system names must be unique (use --names)")
+    return list(names)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(name)s | %(message)s",
+                        force=True)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+
+
+def run(parser: argparse.ArgumentParser, body, argv=None) -> None:
+    """Parse ``argv`` and call ``body(parser, args)``; user input problems exit via
+    ``parser.error`` (status 2, no traceback)."""
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:
+        body(parser, args)
+    except InputError as error:
+        parser.error(str(error))

@@ -1,0 +1,72 @@
+"""Loading a fairseq checkpoint and turning source sentences into encoder batches
+(shared by the attention statistics and the probing features)."""
+import os
+import random
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from mlmha_fairseq.evaluation.text_io import InputError
+
+DEFAULT_BATCH_SIZE = 32
+
+
+def load_model(checkpoint: str, data_bin: Optional[str] = None):
+    """The first model of ``checkpoint`` (eval mode, CPU) and its task.
+
+    ``data_bin`` replaces the data directory stored in the checkpoint, so that the task can
+    find its dictionaries. Uses ``fairseq.checkpoint_utils``, which this package makes safe
+    on torch >= 2.6 when ``mlmha_fairseq`` is imported.
+    """
+    from fairseq import checkpoint_utils
+
+    if not os.path.isfile(checkpoint):
+        raise InputError(f"checkpoint not found: {checkpoint}")
+    if data_bin is not None and not os.path.isdir(data_bin):
+        raise InputError(f"data-bin directory not found: {data_bin}")
+    overrides = {"data": data_bin} if data_bin else None
+    models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [checkpoint], arg_overrides=overrides)
+    return models[0].eval(), task
+
+
+def apply_bpe(lines: Sequence[str], codes_path: Optional[str]) -> List[str]:
+    """Segment tokenized lines with a subword-nmt codes file (``None``: lines unchanged)."""
+    if codes_path is None:
+        return list(lines)
+    from subword_nmt.apply_bpe import BPE
+
+    with open(codes_path, encoding="utf-8") as codes:
+        bpe = BPE(codes)
+    return [bpe.process_line(line) for line in lines]
+
+
+def encode_lines(lines: Sequence[str], dictionary) -> List[torch.Tensor]:
+    """Token ids of each line with the source dictionary, EOS appended (as fairseq does)."""
+    return [dictionary.encode_line(line, add_if_not_exist=False, append_eos=True).long()
+            for line in lines]
+
+
+def sample_indices(total: int, size: Optional[int], seed: int) -> List[int]:
+    """``size`` distinct line indices drawn at random (all lines, in order, if ``size`` is
+    ``None`` or not smaller than ``total``), returned sorted."""
+    if size is None or size >= total:
+        return list(range(total))
+    return sorted(random.Random(seed).sample(range(total), size))
+
+
+def batches(token_lists: Sequence[torch.Tensor], dictionary, batch_size: int = DEFAULT_BATCH_SIZE,
+            left_pad: bool = True) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Padded ``(src_tokens, src_lengths)`` batches in input order (fairseq's collater
+    pads the source on the left by default)."""
+    from fairseq.data.data_utils import collate_tokens
+
+    for start in range(0, len(token_lists), batch_size):
+        chunk = token_lists[start:start + batch_size]
+        tokens = collate_tokens(chunk, dictionary.pad(), dictionary.eos(), left_pad=left_pad)
+        yield tokens, torch.tensor([t.numel() for t in chunk])
+
+
+def left_pad_source(task) -> bool:
+    """The task's source padding side (fairseq's translation default: left)."""
+    return bool(getattr(getattr(task, "cfg", None), "left_pad_source", True))

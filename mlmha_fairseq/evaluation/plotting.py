@@ -1,0 +1,123 @@
+"""PNG figures for the analyses (matplotlib, Agg backend, small files)."""
+import os
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+DPI = 100
+BAR_GROUP_WIDTH = 0.8
+HEATMAP_CELL_INCHES = 0.45
+MIN_HEATMAP_INCHES = 2.5
+LINE_FIGSIZE = (8, 3.2)
+BAR_FIGSIZE = (7, 3.5)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(figure, path: str) -> None:
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=DPI)
+    _pyplot().close(figure)
+
+
+def _grouped_bars(axis, categories: Sequence[str], series: Dict[str, Sequence[float]]) -> None:
+    width = BAR_GROUP_WIDTH / max(len(series), 1)
+    positions = np.arange(len(categories))
+    for index, (name, values) in enumerate(series.items()):
+        offset = (index - (len(series) - 1) / 2) * width
+        axis.bar(positions + offset, values, width, label=name)
+    axis.set_xticks(positions)
+    axis.set_xticklabels(categories)
+    axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def plot_length_buckets(rows: Sequence[Dict], systems: Sequence[str], metric: str, unit: str,
+                        path: str) -> None:
+    """Grouped bars: score per source-length bucket and system, counts under the labels."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
+    labels = [f"{row['bucket']}\nn={row['count']}" for row in rows]
+    _grouped_bars(axis, labels, {name: [row[name] for row in rows] for name in systems})
+    axis.set_xlabel(f"source length ({unit}s)")
+    axis.set_ylabel(metric)
+    _save(figure, path)
+
+
+def plot_significance(names: Sequence[str], scores: Sequence[float],
+                      intervals: Sequence[Optional[Tuple[float, float]]],
+                      marks: Sequence[str], metric: str, method: str, path: str) -> None:
+    """Each system's score with its 95% resampling interval and significance mark; the
+    first system is the baseline (dashed line)."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
+    for position, (score, interval, mark) in enumerate(zip(scores, intervals, marks)):
+        error = None if interval is None else [[score - interval[0]], [interval[1] - score]]
+        axis.errorbar(position, score, yerr=error, fmt="o", capsize=4, color="tab:blue")
+        axis.annotate(f"{score:.2f}{mark}", (position, score), textcoords="offset points",
+                      xytext=(8, 0), va="center")
+    axis.axhline(scores[0], linestyle="--", color="grey")
+    axis.set_xticks(range(len(names)))
+    axis.set_xticklabels(names)
+    axis.set_xlim(-0.5, len(names) - 0.2)
+    axis.set_ylabel(metric)
+    axis.set_title(f"{method}: † p<0.05, ‡ p<0.01 vs {names[0]}", fontsize="medium")
+    _save(figure, path)
+
+
+def plot_attention_heatmaps(models: Sequence[Tuple[str, np.ndarray, np.ndarray]],
+                            path: str) -> None:
+    """Per model, layer x head heat maps of mean distance and entropy."""
+    plt = _pyplot()
+    layers, heads = models[0][1].shape
+    cell_w = max(MIN_HEATMAP_INCHES, heads * HEATMAP_CELL_INCHES)
+    cell_h = max(MIN_HEATMAP_INCHES, layers * HEATMAP_CELL_INCHES)
+    figure, axes = plt.subplots(len(models), 2, figsize=(2 * cell_w + 1.5, len(models) * cell_h),
+                                squeeze=False)
+    for row, (name, distance, entropy) in enumerate(models):
+        for column, (values, title) in enumerate(((distance, "mean distance"), (entropy, "entropy"))):
+            axis = axes[row][column]
+            image = axis.imshow(values, cmap="viridis", aspect="auto")
+            axis.set_xticks(range(heads))
+            axis.set_xticklabels(range(1, heads + 1))
+            axis.set_yticks(range(layers))
+            axis.set_yticklabels(range(1, layers + 1))
+            axis.set_xlabel("head")
+            axis.set_ylabel("layer")
+            axis.set_title(f"{name}: {title}", fontsize="medium")
+            figure.colorbar(image, ax=axis)
+    _save(figure, path)
+
+
+def plot_attention_layers(models: Sequence[Tuple[str, np.ndarray, np.ndarray]], path: str) -> None:
+    """Per-layer averages over heads (Eqs. 14 and 16) for each model."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, 2, figsize=LINE_FIGSIZE)
+    for name, distance, entropy in models:
+        layers = np.arange(1, distance.shape[0] + 1)
+        axes[0].plot(layers, distance.mean(axis=1), marker="o", label=name)
+        axes[1].plot(layers, entropy.mean(axis=1), marker="o", label=name)
+    for axis, title in zip(axes, ("mean distance", "entropy")):
+        axis.set_xticks(np.arange(1, models[0][1].shape[0] + 1))
+        axis.set_xlabel("encoder layer")
+        axis.set_title(title, fontsize="medium")
+        axis.legend(fontsize="small")
+    _save(figure, path)
+
+
+def plot_probing(tasks: Sequence[str], accuracies: Dict[str, Sequence[float]], path: str) -> None:
+    """Grouped bars: test accuracy (%) per probing task and model."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
+    _grouped_bars(axis, tasks, accuracies)
+    axis.set_ylabel("test accuracy (%)")
+    _save(figure, path)

@@ -1,0 +1,1 @@
+"""Decoding extensions: the GNMT length penalty for fairseq's SequenceGenerator."""
