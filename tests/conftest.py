@@ -1,4 +1,9 @@
 import pytest
+import torch
+
+# Tiny models gain nothing from intra-op threads; on a shared CPU they make generation
+# tens of times slower through oversubscription.
+torch.set_num_threads(1)
 
 from fairseq_helpers import preprocess, write_reversal_corpus
 

@@ -30,7 +30,7 @@ from ..modules.layer_aggregation import (
 )
 from ..modules.multi_layer_attention import MultiLayerMultiheadAttention, parse_variant
 from ..modules.source_feature_collector import SourceFeatureCollector
-from .slot_transformer import slot_transformer
+from .presets import thesis_base, thesis_small
 from .slots import DECODER_CROSS_ATTENTION, ENCODER_MEMORY, register_options
 
 MULTI_LAYER = "multi-layer"
@@ -228,37 +228,12 @@ def build_transparent_memories(cfg, num_layers):
     return TransparentMemories(num_layers + 1, cfg.decoder.layers)
 
 
-def _small_iwslt(args):
-    """The documents' "small" IWSLT Transformer: d=256, 4 heads, FFN 1024, 4+4 layers,
-    dropouts 0.1 [code], shared vocabulary tied three ways (spec A.5)."""
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
-    args.encoder_layers = getattr(args, "encoder_layers", 4)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
-    args.decoder_layers = getattr(args, "decoder_layers", 4)
-    _shared_settings(args)
-
-
-def _base_wmt(args):
-    """The documents' "base" WMT'14 En-De Transformer: d=512, 8 heads, FFN 2048, 6+6."""
-    _shared_settings(args)
-
-
-def _shared_settings(args):
-    args.dropout = getattr(args, "dropout", 0.1)
-    args.attention_dropout = getattr(args, "attention_dropout", 0.1)
-    args.activation_dropout = getattr(args, "activation_dropout", 0.1)
-    args.share_all_embeddings = getattr(args, "share_all_embeddings", True)
-    slot_transformer(args)
-
-
 @register_model_architecture("slot_transformer", "mlmha_transformer_iwslt")
 def mlmha_transformer_iwslt(args):
     """MLMHA, IWSLT Es-En / En-Vi (spec A.5): n = L = 4, M-00."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
     args.mlmha_variant = getattr(args, "mlmha_variant", "M-00")
-    _small_iwslt(args)
+    thesis_small(args)
 
 
 @register_model_architecture("slot_transformer", "mlmha_transformer_wmt_en_de")
@@ -266,18 +241,18 @@ def mlmha_transformer_wmt_en_de(args):
     """MLMHA, WMT'14 En-De (spec A.5): n = L = 6, M-10."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
     args.mlmha_variant = getattr(args, "mlmha_variant", "M-10")
-    _base_wmt(args)
+    thesis_base(args)
 
 
 @register_model_architecture("slot_transformer", "layer_aggregation_transformer_iwslt")
 def layer_aggregation_transformer_iwslt(args):
     """Layer aggregation (thesis §2.2) on the small IWSLT Transformer, Iter-C-Agg, n = L."""
     args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
-    _small_iwslt(args)
+    thesis_small(args)
 
 
 @register_model_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de")
 def layer_aggregation_transformer_wmt_en_de(args):
     """Layer aggregation (thesis §2.2) on the base Transformer, Iter-C-Agg, n = L."""
     args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
-    _base_wmt(args)
+    thesis_base(args)

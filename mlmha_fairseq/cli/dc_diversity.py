@@ -1,0 +1,105 @@
+"""Jensen-Shannon divergence between the Dual Contextual module's two FI units (thesis Fig. 5.4).
+
+Examples (the kernel-size sweep of §9.9-9.10 on newstest2014)::
+
+    python -m mlmha_fairseq.cli.dc_diversity f2.pt f3.pt f5.pt --names f=2 f=3 f=5 \
+        --data-bin data-bin/wmt14_en_de --split test --output-prefix results/dc_diversity
+    python -m mlmha_fairseq.cli.dc_diversity f2.pt --input newstest2014.bpe.en --sample 1000
+"""
+import math
+
+from tqdm import tqdm
+
+from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.evaluation.fi_diversity import HEAD_REDUCTIONS, MAX, fi_diversity, plot_fi_diversity
+from mlmha_fairseq.evaluation.model_loading import (
+    DEFAULT_BATCH_SIZE,
+    apply_bpe,
+    batches,
+    encode_lines,
+    left_pad_source,
+    load_model,
+    sample_indices,
+)
+from mlmha_fairseq.evaluation.text_io import InputError, read_lines, write_csv, write_json
+
+DEFAULT_SEED = 1
+
+
+def build_parser():
+    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser.add_argument("checkpoints", nargs="+",
+                        help="fairseq checkpoints of models with --dc-encoder-layers")
+    parser.add_argument("--names", nargs="+", help="one name per checkpoint")
+    parser.add_argument("--data-bin", help="data directory with the dictionaries (and --split) "
+                                           "(default: the one stored in the checkpoint)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="source sentences, tokenized (and BPE-segmented unless "
+                                        "--bpe-codes)")
+    source.add_argument("--split", help="a binarized split of the data directory, e.g. test")
+    parser.add_argument("--bpe-codes", help="subword-nmt codes to apply to --input")
+    parser.add_argument("--sample", type=int, help="analyse this many random sentences "
+                                                   "(default: all)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help="sampling seed (default: %(default)s)")
+    parser.add_argument("--head-reduction", choices=HEAD_REDUCTIONS, default=MAX,
+                        help="how one distribution represents the heads: element-wise max, "
+                             "renormalised (default), or the head with the highest peak")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="sentences per batch (default: %(default)s)")
+    cli_support.add_output_prefix(parser, "dc_diversity")
+    return parser
+
+
+def source_tokens(args, task, lines):
+    """Token tensors of the chosen sentences: ``lines`` encoded, or the binarized split."""
+    dictionary = task.source_dictionary
+    if lines is not None:
+        return encode_lines(lines, dictionary)
+    try:
+        task.load_dataset(args.split)
+    except FileNotFoundError as error:
+        raise InputError(f"--split {args.split}: {error}") from error
+    source = task.dataset(args.split).src
+    return [source[i] for i in sample_indices(len(source), args.sample, args.seed)]
+
+
+def read_sentences(args):
+    """``--input`` lines (sampled, BPE applied), or None with ``--split``."""
+    if args.input is None:
+        return None
+    lines = read_lines(args.input)
+    lines = [lines[i] for i in sample_indices(len(lines), args.sample, args.seed)]
+    return apply_bpe(lines, args.bpe_codes)
+
+
+def dc_diversity(parser, args) -> None:
+    names = cli_support.system_names(parser, args.checkpoints, args.names)
+    lines = read_sentences(args)
+    rows, results, models = [], {}, {}
+    for name, checkpoint in zip(names, args.checkpoints):
+        model, task = load_model(checkpoint, args.data_bin)
+        tokens = source_tokens(args, task, lines)
+        dictionary = task.source_dictionary
+        progress = tqdm(batches(tokens, dictionary, args.batch_size, left_pad_source(task)),
+                        total=math.ceil(len(tokens) / args.batch_size), desc=name)
+        accumulator = fi_diversity(model, progress, dictionary.pad(), args.head_reduction)
+        models[name] = accumulator
+        rows.extend(dict(model=name, **row) for row in accumulator.table())
+        results[name] = {"layers": accumulator.table(), "E_d": accumulator.mean_divergence(),
+                         "sentences": len(tokens)}
+        print(f"{name}: JS per DC layer "
+              + " ".join(f"{row['layer']}:{row['js_divergence']:.4f}" for row in accumulator.table())
+              + f" | E_d {accumulator.mean_divergence():.4f}")
+    write_csv(args.output_prefix + ".csv", rows)
+    write_json(args.output_prefix + ".json", {"head_reduction": args.head_reduction,
+                                              "log": "natural", "models": results})
+    plot_fi_diversity(models, args.output_prefix + ".png")
+
+
+def main(argv=None) -> None:
+    cli_support.run(build_parser(), dc_diversity, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Model sizes and settings shared by the presets of the MLMHA paper and the thesis.
+
+A preset function sets only what the user did not give (``getattr(args, x, default)``), then
+completes the rest with the slot Transformer's defaults (fairseq's ``transformer``).
+"""
+from .slot_transformer import slot_transformer
+
+
+def thesis_small(args):
+    """The documents' "small" IWSLT Transformer: d=256, 4 heads, FFN 1024, 4+4 layers
+    (spec mlmha_mlrf.md A.5; thesis Table 5.1, whose FFN 512 is read as a typo, errata 9)."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    args.encoder_layers = getattr(args, "encoder_layers", 4)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
+    args.decoder_layers = getattr(args, "decoder_layers", 4)
+    thesis_settings(args)
+
+
+def thesis_base(args):
+    """The documents' "base" WMT'14 En-De Transformer: d=512, 8 heads, FFN 2048, 6+6 layers
+    (fairseq's defaults)."""
+    thesis_settings(args)
+
+
+def thesis_settings(args):
+    """Dropout, attention and ReLU dropout 0.1 (the authors' code base, thesis §6.2) and one
+    shared vocabulary tied three ways (spec A.3.7: ``--share-all-embeddings``)."""
+    args.dropout = getattr(args, "dropout", 0.1)
+    args.attention_dropout = getattr(args, "attention_dropout", 0.1)
+    args.activation_dropout = getattr(args, "activation_dropout", 0.1)
+    args.share_all_embeddings = getattr(args, "share_all_embeddings", True)
+    slot_transformer(args)
