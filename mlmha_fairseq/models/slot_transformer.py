@@ -44,6 +44,7 @@ from .slots import (
     ENCODER_MEMORY,
     ENCODER_SELF_ATTENTION,
     add_slot_args,
+    apply_model_hooks,
     set_slot_defaults,
 )
 
@@ -233,7 +234,9 @@ class SlotTransformerModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         slot_transformer(args)  # complete options of checkpoints written by older versions
-        return super().build_model(args, task)
+        model = super().build_model(args, task)
+        apply_model_hooks(model)  # what spans several slots (slots.register_model_hook)
+        return model
 
     @classmethod
     def build_encoder(cls, cfg, src_dict, embed_tokens):

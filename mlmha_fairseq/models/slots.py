@@ -105,6 +105,7 @@ SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_SELF_ATTENTION, DECODER_CROS
 
 _OPTION_GROUPS: List[Callable] = []
 _DEFAULTS: List[Callable] = []
+_MODEL_HOOKS: List[Callable[[nn.Module], None]] = []
 
 
 def register_options(add_args: Callable, set_defaults: Callable):
@@ -115,6 +116,19 @@ def register_options(add_args: Callable, set_defaults: Callable):
     """
     _OPTION_GROUPS.append(add_args)
     _DEFAULTS.append(set_defaults)
+
+
+def register_model_hook(hook: Callable[[nn.Module], None]):
+    """Register ``hook(model)``, run on every slot model once it is built (before any
+    checkpoint is loaded into it), for what spans several slots: e.g. one module shared
+    by an encoder filler and a decoder filler, which the slots build separately."""
+    _MODEL_HOOKS.append(hook)
+    return hook
+
+
+def apply_model_hooks(model: nn.Module):
+    for hook in _MODEL_HOOKS:
+        hook(model)
 
 
 def add_slot_args(parser):
