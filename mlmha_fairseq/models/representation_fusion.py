@@ -1,0 +1,284 @@
+"""Multi-layer Representation Fusion, MLRF (Wang et al., COLING 2018; seed 001, spec B).
+
+Fills two slots of the slot Transformer with a fusion of all layer outputs
+(:mod:`mlmha_fairseq.modules.representation_fusion`: AVG, FNN, SA):
+
+* encoder memory (Enc-*, ``--mlrf-encoder-fusion``): the fused ``h^`` replaces the top
+  encoder layer as the memory of every decoder cross-attention;
+* decoder output (Dec-*, ``--mlrf-decoder-fusion``): the fused ``z^_j`` replaces the top
+  decoder layer as the input of the output projection (Eq. 3);
+* both (Both-*, e.g. Both-FNN-SA = FNN on the encoder, SA on the decoder).
+
+By default K = L + 1 states are fused, the embedding output ("layer 0") included
+(spec B.3: only this reading gives the paper's parameter counts); ``--mlrf-no-embedding-layer``
+fuses layers 1..L (Table 4, "Word Emb."). FNN and SA add a learned layer embedding
+(``--mlrf-no-layer-embedding``: Table 4, "Layer Emb."); one table, indexed by the layer
+number, is shared by the encoder and the decoder (§3.2), tied by a model hook after both
+sides are built.
+
+Presets: ``mlrf_transformer_iwslt_de_en`` (Both-FNN-SA, 4 hops) and
+``mlrf_transformer_nist`` (Dec-SA, 4 hops, independent W1).
+"""
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from fairseq.models import register_model_architecture
+from fairseq.utils import get_available_activation_fns, safe_getattr
+
+from ..modules.representation_fusion import (
+    FNN,
+    FUSION_FUNCTIONS,
+    SA,
+    FusionOptions,
+    build_fusion,
+    build_layer_embedding,
+)
+from .slot_transformer import slot_transformer
+from .slots import DECODER_OUTPUT, ENCODER_MEMORY, register_model_hook, register_options
+
+NONE = "none"
+ENCODER, DECODER = "encoder", "decoder"
+DEFAULTS = FusionOptions()
+EMBEDDING_LAYER = 0  # footnote 2: the word-embedding layer is layer 0
+FUSED_OUTPUT = {ENCODER: "the memory every decoder layer attends to (Enc-*)",
+                DECODER: "the input of the output projection (Dec-*)"}
+
+
+def add_args(parser):
+    """Options of MLRF (fairseq passes its model argument group)."""
+    for side, replaces in FUSED_OUTPUT.items():
+        parser.add_argument(f"--mlrf-{side}-fusion", choices=(NONE,) + FUSION_FUNCTIONS,
+                            help=f"fuse all {side} layer outputs (embedding included) into "
+                                 f"{replaces}: avg (average pooling), fnn (one-hidden-layer "
+                                 "FNN), sa (multi-hop self-attention over layers, then an FNN)")
+    parser.add_argument("--mlrf-hops", type=int, metavar="N",
+                        help=f"SA fusion: number of attention hops n_hop (default {DEFAULTS.hops})")
+    parser.add_argument("--mlrf-attention-dim", type=int, metavar="D_A",
+                        help=f"SA fusion: inner size d_a of W1 (default {DEFAULTS.attention_dim})")
+    parser.add_argument("--mlrf-ffn-dim", type=int, metavar="D_F",
+                        help=f"FNN and SA fusion: hidden size d_f (default {DEFAULTS.ffn_dim})")
+    parser.add_argument("--mlrf-indep-w1", action="store_true",
+                        help="SA fusion: one W1 per layer (the paper's '+ indep. W1')")
+    parser.add_argument("--mlrf-no-embedding-layer", action="store_true",
+                        help="fuse layers 1..L only, without the embedding output (Table 4 "
+                             "'Word Emb.' ablation)")
+    parser.add_argument("--mlrf-no-layer-embedding", action="store_true",
+                        help="FNN and SA fusion without the learned layer embedding (Table 4 "
+                             "'Layer Emb.' ablation)")
+    parser.add_argument("--mlrf-attention-activation", choices=get_available_activation_fns(),
+                        help=f"SA fusion: sigma of Eq. 5 (default {DEFAULTS.attention_activation})")
+    parser.add_argument("--mlrf-ffn-activation", choices=get_available_activation_fns(),
+                        help=f"FNN and SA fusion: activation of the hidden layer (default "
+                             f"{DEFAULTS.ffn_activation})")
+    parser.add_argument("--mlrf-attention-bias", action="store_true",
+                        help="SA fusion: biases on W1 and W2 (default: bias-free)")
+    parser.add_argument("--mlrf-fusion-dropout", type=float, metavar="P",
+                        help=f"dropout on the fusion FNN's hidden layer (default {DEFAULTS.dropout})")
+    parser.add_argument("--mlrf-no-avg-layernorm", action="store_true",
+                        help="AVG fusion without the LayerNorm after it")
+
+
+def set_defaults(args):
+    args.mlrf_encoder_fusion = getattr(args, "mlrf_encoder_fusion", NONE)
+    args.mlrf_decoder_fusion = getattr(args, "mlrf_decoder_fusion", NONE)
+    args.mlrf_hops = getattr(args, "mlrf_hops", DEFAULTS.hops)
+    args.mlrf_attention_dim = getattr(args, "mlrf_attention_dim", DEFAULTS.attention_dim)
+    args.mlrf_ffn_dim = getattr(args, "mlrf_ffn_dim", DEFAULTS.ffn_dim)
+    args.mlrf_indep_w1 = getattr(args, "mlrf_indep_w1", DEFAULTS.independent_w1)
+    args.mlrf_no_embedding_layer = getattr(args, "mlrf_no_embedding_layer", False)
+    args.mlrf_no_layer_embedding = getattr(args, "mlrf_no_layer_embedding", False)
+    args.mlrf_attention_activation = getattr(args, "mlrf_attention_activation",
+                                             DEFAULTS.attention_activation)
+    args.mlrf_ffn_activation = getattr(args, "mlrf_ffn_activation", DEFAULTS.ffn_activation)
+    args.mlrf_attention_bias = getattr(args, "mlrf_attention_bias", DEFAULTS.attention_bias)
+    args.mlrf_fusion_dropout = getattr(args, "mlrf_fusion_dropout", DEFAULTS.dropout)
+    args.mlrf_no_avg_layernorm = getattr(args, "mlrf_no_avg_layernorm",
+                                         not DEFAULTS.average_layer_norm)
+
+
+register_options(add_args, set_defaults)
+
+
+def _function(cfg, side: str) -> str:
+    return safe_getattr(cfg, f"mlrf_{side}_fusion") or NONE
+
+
+def _num_layers(cfg, side: str) -> int:
+    return cfg.encoder.layers if side == ENCODER else cfg.decoder.layers
+
+
+def _embed_dim(cfg, side: str) -> int:
+    return cfg.encoder.embed_dim if side == ENCODER else cfg.decoder.embed_dim
+
+
+def _uses_layer_embedding(cfg, side: str) -> bool:
+    """FNN and SA add the layer embedding unless --mlrf-no-layer-embedding (spec B.4)."""
+    return _function(cfg, side) in (FNN, SA) and not safe_getattr(cfg, "mlrf_no_layer_embedding", False)
+
+
+def _option(cfg, name: str, default):
+    value = safe_getattr(cfg, name)
+    return default if value is None else value
+
+
+def _fusion_options(cfg) -> FusionOptions:
+    """The fusion hyper-parameters of ``cfg``, validated."""
+    options = FusionOptions(
+        hops=_option(cfg, "mlrf_hops", DEFAULTS.hops),
+        attention_dim=_option(cfg, "mlrf_attention_dim", DEFAULTS.attention_dim),
+        ffn_dim=_option(cfg, "mlrf_ffn_dim", DEFAULTS.ffn_dim),
+        attention_activation=_option(cfg, "mlrf_attention_activation", DEFAULTS.attention_activation),
+        ffn_activation=_option(cfg, "mlrf_ffn_activation", DEFAULTS.ffn_activation),
+        independent_w1=bool(safe_getattr(cfg, "mlrf_indep_w1", False)),
+        attention_bias=bool(safe_getattr(cfg, "mlrf_attention_bias", False)),
+        dropout=_option(cfg, "mlrf_fusion_dropout", DEFAULTS.dropout),
+        average_layer_norm=not safe_getattr(cfg, "mlrf_no_avg_layernorm", False),
+    )
+    for flag, value in (("--mlrf-hops", options.hops), ("--mlrf-attention-dim", options.attention_dim),
+                        ("--mlrf-ffn-dim", options.ffn_dim)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    if not 0.0 <= options.dropout < 1.0:
+        raise ValueError(f"--mlrf-fusion-dropout {options.dropout} must be in [0, 1)")
+    if options.independent_w1 and SA not in (_function(cfg, ENCODER), _function(cfg, DECODER)):
+        raise ValueError("--mlrf-indep-w1 needs SA fusion (--mlrf-encoder-fusion sa or "
+                         "--mlrf-decoder-fusion sa)")
+    return options
+
+
+def _layer_embedding_rows(cfg) -> int:
+    """Rows of the shared table: layer numbers 0..max(L) over the sides that use it
+    (spec C.10); both sides must then have the same width."""
+    sides = [side for side in (ENCODER, DECODER) if _uses_layer_embedding(cfg, side)]
+    if len({_embed_dim(cfg, side) for side in sides}) > 1:
+        raise ValueError("the MLRF layer embedding is shared by encoder and decoder: it needs "
+                         "--encoder-embed-dim == --decoder-embed-dim (or --mlrf-no-layer-embedding)")
+    return 1 + max(_num_layers(cfg, side) for side in sides)
+
+
+class LayerFusion(nn.Module):
+    """Fusion of a stack's layer outputs ``[layer 0 (embedding), 1..L]`` (Eq. 3).
+
+    ``layer_embedding``: the shared table (layer number -> row), or None. With
+    ``include_embedding_layer`` K = L + 1 states are fused, else K = L (layers 1..L, whose
+    layer-embedding rows stay 1..L).
+    """
+
+    def __init__(self, fusion: nn.Module, num_layers: int, include_embedding_layer: bool,
+                 layer_embedding: Optional[nn.Embedding]):
+        super().__init__()
+        self.fusion = fusion
+        self.num_layers = num_layers
+        self.first_layer = EMBEDDING_LAYER if include_embedding_layer else EMBEDDING_LAYER + 1
+        self.layer_embedding = layer_embedding
+
+    def fuse(self, states: List[Tensor]) -> Tensor:
+        """``states``: L + 1 tensors T x B x C, layer 0 to L -> T x B x C."""
+        if len(states) != self.num_layers + 1:
+            raise ValueError(f"MLRF fusion expects {self.num_layers + 1} layer outputs "
+                             f"(embedding and {self.num_layers} layers), got {len(states)}")
+        stacked = torch.stack(states[self.first_layer:])  # K x T x B x C
+        rows = None
+        if self.layer_embedding is not None:
+            rows = self.layer_embedding.weight[self.first_layer : len(states)]  # K x C
+        return self.fusion(stacked, rows)
+
+
+class FusedEncoderMemory(LayerFusion):
+    """Enc-*: ``h^ = phi(H)`` replaces the top encoder layer for every decoder layer.
+
+    [choice] (spec C.4) The top state is fairseq's ``encoder_out``: in pre-norm it is
+    normalised by the encoder's final LayerNorm, as every decoder memory of this package,
+    while fairseq's lower states are not; in post-norm (the paper) all states are the
+    layers' own normalised outputs, so nothing changes.
+    """
+
+    def forward(self, encoder_out: Dict[str, List[Tensor]]) -> Dict[str, List[Tensor]]:
+        states = encoder_out["encoder_states"][:-1] + encoder_out["encoder_out"]
+        return {"encoder_out": [self.fuse(states)]}
+
+
+class FusedDecoderOutput(LayerFusion):
+    """Dec-*: ``z^_j = phi(Z_j)`` replaces the top decoder layer before the output
+    projection. Gets the decoder's ``inner_states`` (before the final LayerNorm, which the
+    slot applies afterwards in pre-norm); at an incremental step they hold that step only,
+    which is all a position-wise fusion needs."""
+
+    def forward(self, inner_states: List[Tensor]) -> Tensor:
+        return self.fuse(inner_states)
+
+
+def _build_layer_fusion(wrapper, cfg, side: str, num_layers: int) -> Optional[LayerFusion]:
+    function = _function(cfg, side)
+    if function == NONE:
+        return None
+    include_embedding_layer = not safe_getattr(cfg, "mlrf_no_embedding_layer", False)
+    num_states = num_layers + int(include_embedding_layer)  # K
+    embed_dim = _embed_dim(cfg, side)
+    fusion = build_fusion(function, num_states, embed_dim, _fusion_options(cfg))
+    layer_embedding = None
+    if _uses_layer_embedding(cfg, side):
+        layer_embedding = build_layer_embedding(_layer_embedding_rows(cfg), embed_dim)
+    return wrapper(fusion, num_layers, include_embedding_layer, layer_embedding)
+
+
+@ENCODER_MEMORY.register("MLRF fusion")
+def build_fused_encoder_memory(cfg, num_layers):
+    return _build_layer_fusion(FusedEncoderMemory, cfg, ENCODER, num_layers)
+
+
+@DECODER_OUTPUT.register("MLRF fusion")
+def build_fused_decoder_output(cfg, num_layers):
+    return _build_layer_fusion(FusedDecoderOutput, cfg, DECODER, num_layers)
+
+
+@register_model_hook
+def share_layer_embedding(model: nn.Module):
+    """One layer-embedding table for the encoder and the decoder (§3.2, "for simple
+    implementation"): the decoder's fusion uses the encoder's table. The state dict keeps
+    both keys (the same tensor), ``model.parameters()`` yields it once."""
+    memory = getattr(model.encoder, "memory", None)
+    output = getattr(model.decoder, "output_fusion", None)
+    if not (isinstance(memory, LayerFusion) and isinstance(output, LayerFusion)):
+        return
+    if memory.layer_embedding is not None and output.layer_embedding is not None:
+        output.layer_embedding = memory.layer_embedding
+
+
+def _mlrf_settings(args):
+    """Paper §4.2: post-norm, residual dropout 0.1, separate source and target vocabularies
+    with an untied output matrix (spec C.10: no --share-all-embeddings)."""
+    args.dropout = getattr(args, "dropout", 0.1)
+    args.share_all_embeddings = getattr(args, "share_all_embeddings", False)
+    args.share_decoder_input_output_embed = getattr(args, "share_decoder_input_output_embed", False)
+    slot_transformer(args)  # n_hop 4, d_a 1024, d_f 512: the option defaults (FusionOptions)
+
+
+@register_model_architecture("slot_transformer", "mlrf_transformer_iwslt_de_en")
+def mlrf_transformer_iwslt_de_en(args):
+    """IWSLT'14 De-En (§4.2): d=256, FFN 1024, 3+3 layers, 4 heads [choice: not stated];
+    the best system, Both-FNN-SA (nhop = 4), d_a 1024, d_f 512 (Table 2)."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    args.encoder_layers = getattr(args, "encoder_layers", 3)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
+    args.decoder_layers = getattr(args, "decoder_layers", 3)
+    args.mlrf_encoder_fusion = getattr(args, "mlrf_encoder_fusion", FNN)
+    args.mlrf_decoder_fusion = getattr(args, "mlrf_decoder_fusion", SA)
+    _mlrf_settings(args)
+
+
+@register_model_architecture("slot_transformer", "mlrf_transformer_nist")
+def mlrf_transformer_nist(args):
+    """NIST Zh-En (§4.2): d=512, FFN 2048, 6+6 layers (fairseq's base sizes), 8 heads
+    [choice: not stated]; the
+    best system, Dec-SA (nhop = 4) + indep. W1 (Table 3), d_a 1024 / d_f 512 [choice: not
+    stated for Zh-En, taken from De-En]."""
+    args.mlrf_decoder_fusion = getattr(args, "mlrf_decoder_fusion", SA)
+    args.mlrf_indep_w1 = getattr(args, "mlrf_indep_w1", True)
+    _mlrf_settings(args)

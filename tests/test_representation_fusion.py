@@ -1,0 +1,421 @@
+"""Multi-layer Representation Fusion, MLRF (issue: seed 001; spec mlmha_mlrf.md part B)."""
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fairseq import options, tasks
+from fairseq.data import Dictionary
+
+from fairseq_helpers import (
+    USER_DIR,
+    assert_incremental_matches_full,
+    assert_round_trip,
+    build_model,
+    random_batch,
+    run_fairseq,
+    toy_dictionary,
+    train_args,
+)
+from fixtures.tiny_fairseq import build_task_and_model, save_checkpoint, write_data_bin
+from mlmha_fairseq.cli import mlrf_hop_weights
+from mlmha_fairseq.modules.representation_fusion import (
+    FusionOptions,
+    LayerAttention,
+    build_fusion,
+)
+
+D = 16  # tests/fairseq_helpers.TINY_MODEL_ARGS
+ENCODER_LAYERS, DECODER_LAYERS = 3, 2
+PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
+SMALL_FUSION = ["--mlrf-attention-dim", "12", "--mlrf-ffn-dim", "20", "--mlrf-hops", "3"]
+D_A, D_F, HOPS = 12, 20, 3
+
+
+def fusion(encoder="none", decoder="none", *extra):
+    return ["--mlrf-encoder-fusion", encoder, "--mlrf-decoder-fusion", decoder, *SMALL_FUSION, *extra]
+
+
+def num_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def stacked_states(num_states=4, length=5, bsz=3, dim=D, seed=0):
+    return torch.randn(num_states, length, bsz, dim, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- the modules
+
+
+@pytest.mark.parametrize("layer_norm", [True, False])
+def test_avg_is_the_mean_of_the_k_states_then_layer_norm(layer_norm):
+    states = stacked_states()
+    avg = build_fusion("avg", 4, D, FusionOptions(average_layer_norm=layer_norm))
+    mean = (states[0] + states[1] + states[2] + states[3]) / 4
+    expected = F.layer_norm(mean, (D,)) if layer_norm else mean
+    torch.testing.assert_close(avg(states, torch.randn(4, D)), expected)
+
+
+@pytest.mark.parametrize("hops", [1, 3])
+@pytest.mark.parametrize("num_states", [2, 5])
+@pytest.mark.parametrize("independent_w1", [False, True])
+def test_sa_hop_weights_sum_to_one_over_layers(hops, num_states, independent_w1):
+    states = stacked_states(num_states)
+    options = FusionOptions(hops=hops, attention_dim=D_A, ffn_dim=D_F, independent_w1=independent_w1)
+    sa = build_fusion("sa", num_states, D, options)
+    weights = sa.attention(states)
+    assert weights.shape == (5, 3, hops, num_states)  # T x B x n_hop x K
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5, 3, hops))
+    assert sa(states, torch.randn(num_states, D)).shape == (5, 3, D)
+    assert sa.ffn.fc1.in_features == hops * D
+
+
+def test_sa_computes_equations_4_to_7():
+    """Eq. 4 z~ = z + E; Eq. 5 e = W2 tanh(W1 z~); Eq. 6 softmax over layers; Eq. 7
+    s~_p = sum_l a_p^l z~^l; then FNN over [s~_1; ...; s~_n] (hop-major) and LayerNorm."""
+    states, embedding = stacked_states(), torch.randn(4, D)
+    sa = build_fusion("sa", 4, D, FusionOptions(hops=HOPS, attention_dim=D_A, ffn_dim=D_F))
+    z = states + embedding[:, None, None, :]  # K x T x B x C
+    w1, w2 = sa.attention.w1.weight, sa.attention.w2.weight  # d_a x C, n_hop x d_a
+    energies = torch.tanh(z @ w1.T) @ w2.T  # K x T x B x n_hop
+    a = torch.softmax(energies, dim=0)
+    hops = [(a[:, :, :, p, None] * z).sum(0) for p in range(HOPS)]  # n_hop of T x B x C
+    hidden = F.relu(sa.ffn.fc1(torch.cat(hops, dim=-1)))
+    expected = F.layer_norm(sa.ffn.fc2(hidden), (D,), sa.layer_norm.weight, sa.layer_norm.bias)
+    torch.testing.assert_close(sa(states, embedding), expected)
+
+
+def test_independent_w1_has_one_matrix_per_layer():
+    options = FusionOptions(hops=HOPS, attention_dim=D_A, ffn_dim=D_F)
+    shared = LayerAttention(4, D, options)
+    independent = LayerAttention(4, D, dataclasses.replace(options, independent_w1=True))
+    assert independent.w1.shape == (4, D, D_A)  # K x C x d_a
+    independent.w2.load_state_dict(shared.w2.state_dict())
+    states = stacked_states()
+    with torch.no_grad():
+        independent.w1.copy_(shared.w1.weight.T.expand(4, D, D_A))
+        torch.testing.assert_close(independent(states), shared(states))
+        independent.w1[2] += 1.0  # only layer 2's energies change
+        changed = independent(states) != shared(states)
+    assert changed.all()  # the softmax over layers spreads layer 2's change to every weight
+
+
+def test_fnn_concatenates_the_layers_bottom_to_top():
+    states, embedding = stacked_states(3), torch.randn(3, D)
+    fnn = build_fusion("fnn", 3, D, FusionOptions(ffn_dim=D_F))
+    z = states + embedding[:, None, None, :]
+    hidden = F.relu(fnn.ffn.fc1(torch.cat([z[0], z[1], z[2]], dim=-1)))
+    expected = F.layer_norm(fnn.ffn.fc2(hidden), (D,), fnn.layer_norm.weight, fnn.layer_norm.bias)
+    torch.testing.assert_close(fnn(states, embedding), expected)
+
+
+def test_fnn_layer_embedding_is_a_first_layer_bias():
+    """Spec B.4b: before a linear layer, adding E is the bias W_a [E_0; ...; E_L]."""
+    states, embedding = stacked_states(3), torch.randn(3, D)
+    fnn = build_fusion("fnn", 3, D, FusionOptions(ffn_dim=D_F))
+    with_embedding = fnn(states, embedding)
+    with torch.no_grad():
+        fnn.ffn.fc1.bias += fnn.ffn.fc1.weight @ embedding.reshape(-1)
+    torch.testing.assert_close(fnn(states, None), with_embedding)
+
+
+def test_unknown_fusion_function_is_refused():
+    with pytest.raises(ValueError, match="unknown fusion function 'max'"):
+        build_fusion("max", 3, D, FusionOptions())
+
+
+# ----------------------------------------------------------------------------- parameter counts
+
+# Spec B.8, paper Table 2 (IWSLT De-En): d=256, FFN 1024, 3+3 layers, separate vocabularies
+# 8,389 / 6,428, K = L + 1 = 4, d_f = 512, d_a = 1024. "computed" counts the paper's output
+# bias b_o (Eq. 2), which fairseq's output projection does not have.
+SRC_VOCAB, TGT_VOCAB = 8389, 6428
+OUTPUT_BIAS = TGT_VOCAB
+ENC, DEC = "--mlrf-encoder-fusion", "--mlrf-decoder-fusion"
+TABLE_B8 = {
+    # system: (options, computed by spec B.8, the paper's #Param. in millions)
+    "Transformer": ([], 10_974_748, 10.97),
+    "+RestartAdam-4Layers": (["--encoder-layers", "4", "--decoder-layers", "4"], 12_817_948, 12.82),
+    "+RestartAdam-6Layers": (["--encoder-layers", "6", "--decoder-layers", "6"], 16_504_348, 16.50),
+    "Enc-FNN": ([ENC, "fnn"], 11_632_412, 11.63),
+    "Dec-FNN": ([DEC, "fnn"], 11_632_412, 11.63),
+    "Enc-SA (nhop=4)": ([ENC, "sa"], 11_898_652, 11.90),
+    "Dec-SA (nhop=4)": ([DEC, "sa"], 11_898_652, 11.90),
+    "Enc-SA (nhop=6)": ([ENC, "sa", "--mlrf-hops", "6"], 12_162_844, 12.16),
+    "Dec-SA (nhop=6)": ([DEC, "sa", "--mlrf-hops", "6"], 12_162_844, 13.47),
+    "Both-FNN": ([ENC, "fnn", DEC, "fnn"], 12_289_052, 12.29),
+    "Both-SA (nhop=4)": ([ENC, "sa", DEC, "sa"], 12_821_532, 12.82),
+    "Both-FNN-SA (nhop=4)": ([ENC, "fnn", DEC, "sa"], 12_555_292, 12.55),
+    "Enc-AVG (no LayerNorm)": ([ENC, "avg", "--mlrf-no-avg-layernorm"], 10_974_748, 10.97),
+    "Enc-AVG": ([ENC, "avg"], 10_974_748 + 2 * 256, 10.97),
+    "Dec-AVG": ([DEC, "avg"], 10_974_748 + 2 * 256, 10.97),
+}
+# The paper's printed counts that the formulas do not round to (documented in the README).
+PAPER_ANOMALIES = {
+    "Dec-SA (nhop=6)": "13.47M printed; the formula gives Enc-SA(6)'s 12.16M (a typo)",
+    "Both-FNN-SA (nhop=4)": "12.555M printed as 12.55M",
+    "Enc-AVG": "the LayerNorm after AVG adds 2d = 512 (10.975M); the paper prints 10.97M",
+    "Dec-AVG": "as Enc-AVG",
+}
+
+
+def paper_model(arch, *extra):
+    """A model with the paper's separate source and target vocabulary sizes."""
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser, ["unused", "--task", "translation", "--user-dir", USER_DIR, "--arch", arch, *extra])
+    src_dict, tgt_dict = Dictionary(), Dictionary()
+    for dictionary, size in ((src_dict, SRC_VOCAB), (tgt_dict, TGT_VOCAB)):
+        for i in range(size - dictionary.nspecial):
+            dictionary.add_symbol(f"w{i}")
+    return tasks.translation.TranslationTask(args, src_dict, tgt_dict).build_model(args)
+
+
+@pytest.mark.parametrize("system", TABLE_B8)
+def test_parameter_counts_reproduce_table_b8(system):
+    extra, computed, paper = TABLE_B8[system]
+    model = paper_model("mlrf_transformer_iwslt_de_en", ENC, "none", DEC, "none", *extra)
+    assert num_params(model) + OUTPUT_BIAS == computed
+    assert (round(computed / 1e6, 2) == paper) != (system in PAPER_ANOMALIES)
+
+
+def test_iwslt_preset_is_the_papers_best_de_en_system():
+    model = paper_model("mlrf_transformer_iwslt_de_en")
+    assert num_params(model) + OUTPUT_BIAS == TABLE_B8["Both-FNN-SA (nhop=4)"][1]
+    assert model.encoder.embed_tokens is not model.decoder.embed_tokens  # separate vocabularies
+    assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
+    assert model.decoder.output_fusion.fusion.attention.w2.out_features == 4
+
+
+@pytest.mark.parametrize(
+    "options, extra",
+    [
+        (fusion("fnn"), (ENCODER_LAYERS + 1) * D * D_F + D_F + D_F * D + D + 2 * D
+         + (ENCODER_LAYERS + 1) * D),
+        (fusion("fnn", "none", "--mlrf-no-embedding-layer"),  # K = L, rows for layers 0..L
+         ENCODER_LAYERS * D * D_F + D_F + D_F * D + D + 2 * D + (ENCODER_LAYERS + 1) * D),
+        (fusion("fnn", "none", "--mlrf-no-layer-embedding"),
+         (ENCODER_LAYERS + 1) * D * D_F + D_F + D_F * D + D + 2 * D),
+        (fusion("none", "sa"), D * D_A + D_A * HOPS + HOPS * D * D_F + D_F + D_F * D + D + 2 * D
+         + (DECODER_LAYERS + 1) * D),
+        (fusion("none", "sa", "--mlrf-indep-w1"),  # one W1 per fused layer
+         (DECODER_LAYERS + 1) * D * D_A + D_A * HOPS + HOPS * D * D_F + D_F + D_F * D + D + 2 * D
+         + (DECODER_LAYERS + 1) * D),
+        (fusion("none", "sa", "--mlrf-attention-bias"),
+         D * D_A + D_A + D_A * HOPS + HOPS + HOPS * D * D_F + D_F + D_F * D + D + 2 * D
+         + (DECODER_LAYERS + 1) * D),
+        (fusion("avg", "avg"), 2 * (2 * D)),
+        # one shared table of max(L_enc, L_dec) + 1 rows, counted once
+        (fusion("sa", "fnn"), D * D_A + D_A * HOPS + HOPS * D * D_F + D_F + D_F * D + D + 2 * D
+         + (DECODER_LAYERS + 1) * D * D_F + D_F + D_F * D + D + 2 * D + (ENCODER_LAYERS + 1) * D),
+    ],
+    ids=["Enc-FNN", "Enc-FNN no word emb", "Enc-FNN no layer emb", "Dec-SA", "Dec-SA indep W1",
+         "Dec-SA biases", "Both-AVG", "Both-SA-FNN"],
+)
+def test_parameter_count_closed_forms(options, extra):
+    baseline = num_params(build_model("slot_transformer"))
+    assert num_params(build_model("slot_transformer", *options)) - baseline == extra
+
+
+def test_nist_preset_is_dec_sa_with_independent_w1():
+    model = build_model("mlrf_transformer_nist")
+    assert model.encoder.memory is None
+    attention = model.decoder.output_fusion.fusion.attention
+    assert attention.w1.shape == (DECODER_LAYERS + 1, D, 1024) and attention.w2.out_features == 4
+    assert model.encoder.embed_tokens is not model.decoder.embed_tokens
+
+
+# ----------------------------------------------------------------------------- the shared table
+
+
+def test_one_layer_embedding_table_is_shared_and_survives_a_checkpoint(tmp_path):
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *fusion("sa", "sa"), dictionary=dictionary)
+    table = model.encoder.memory.layer_embedding
+    assert model.decoder.output_fusion.layer_embedding is table
+    assert table.weight.shape == (max(ENCODER_LAYERS, DECODER_LAYERS) + 1, D)
+    state = model.state_dict()
+    keys = ("encoder.memory.layer_embedding.weight", "decoder.output_fusion.layer_embedding.weight")
+    assert state[keys[0]].data_ptr() == state[keys[1]].data_ptr()  # both keys, one tensor
+    torch.save(state, tmp_path / "model.pt")
+    loaded = build_model("slot_transformer", *fusion("sa", "sa"), dictionary=dictionary)
+    loaded.load_state_dict(torch.load(tmp_path / "model.pt"), strict=True)
+    assert loaded.decoder.output_fusion.layer_embedding is loaded.encoder.memory.layer_embedding
+    torch.testing.assert_close(loaded.encoder.memory.layer_embedding.weight, table.weight)
+    optimizer = torch.optim.Adam(loaded.parameters())  # the table is one parameter
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == num_params(loaded)
+
+
+def test_layer_embedding_rows_are_indexed_by_layer_number():
+    """Without the embedding layer, layers 1..L keep the rows E_1..E_L."""
+    model = build_model("slot_transformer", *fusion("none", "fnn", "--mlrf-no-embedding-layer"))
+    output = model.decoder.output_fusion
+    states = list(stacked_states(DECODER_LAYERS + 1))
+    seen = {}
+    output.fusion.forward = lambda stacked, rows: seen.update(stacked=stacked, rows=rows)
+    output(states)
+    torch.testing.assert_close(seen["stacked"], torch.stack(states[1:]))
+    torch.testing.assert_close(seen["rows"], output.layer_embedding.weight[1:])
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize("function", ["avg", "fnn", "sa"])
+def test_decoder_fusion_is_causal(function):
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *fusion("none", function), dictionary=dictionary).eval()
+    src, lengths, prev = random_batch(dictionary)
+    changed = prev.clone()
+    changed[:, 3:] = prev[:, 3:].flip(0)  # other tokens from position 3 on (rows differ)
+    with torch.no_grad():
+        before, after = model(src, lengths, prev)[0], model(src, lengths, changed)[0]
+    torch.testing.assert_close(after[:, :3], before[:, :3])
+    assert not torch.allclose(after[:, 3:], before[:, 3:])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [fusion("none", "avg"), fusion("none", "fnn"), fusion("none", "sa", "--mlrf-indep-w1"),
+     fusion("avg", "sa"), fusion("fnn", "sa"), fusion("sa", "fnn", "--mlrf-no-embedding-layer")],
+    ids=["Dec-AVG", "Dec-FNN", "Dec-SA indep W1", "Both-AVG-SA", "Both-FNN-SA", "Both-SA-FNN no word emb"],
+)
+@pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
+def test_incremental_decoding_matches_full_forward(options, norm):
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *options, *norm, dictionary=dictionary)
+    assert_incremental_matches_full(model, dictionary)
+
+
+@pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
+def test_encoder_fusion_at_generation_uses_every_layer(norm):
+    """fairseq's generator calls the encoder without return_all_hiddens: the memory is still
+    the fusion of [embedding, layer 1..L], the top one being fairseq's encoder output."""
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *fusion("avg", "none", "--mlrf-no-avg-layernorm"), *norm,
+                        dictionary=dictionary).eval()
+    src, lengths, _ = random_batch(dictionary)
+    with torch.no_grad():
+        memory = model.encoder.forward_torchscript({"src_tokens": src, "src_lengths": lengths})
+        states = model.encoder.forward_scriptable(src, lengths, return_all_hiddens=True)
+    assert memory["encoder_states"] == []
+    expected = torch.stack(states["encoder_states"][:-1] + states["encoder_out"]).mean(0)
+    torch.testing.assert_close(memory["encoder_out"][0], expected)
+    assert len(states["encoder_states"]) == ENCODER_LAYERS + 1
+
+
+# ----------------------------------------------------------------------------- configurations
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (fusion("sa", "none", "--mlrf-hops", "0"), "--mlrf-hops 0 must be >= 1"),
+        (fusion("fnn", "avg", "--mlrf-indep-w1"), "--mlrf-indep-w1 needs SA fusion"),
+        (fusion("fnn", "none", "--mlrf-fusion-dropout", "1.0"),
+         r"--mlrf-fusion-dropout 1.0 must be in \[0, 1\)"),
+        (fusion("fnn", "sa", "--decoder-embed-dim", "8", "--decoder-attention-heads", "2"),
+         "--encoder-embed-dim == --decoder-embed-dim"),
+        (fusion("sa") + ["--layer-aggregation", "s-agg"], "claimed by several mechanisms"),
+    ],
+)
+def test_bad_configurations_are_refused_with_a_clear_message(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_model("slot_transformer", *options)
+
+
+def test_unknown_fusion_function_is_refused_by_the_command_line(data_bin, tmp_path):
+    result = run_fairseq("train", *train_args(data_bin, tmp_path, "slot_transformer",
+                                              "--mlrf-decoder-fusion", "max"), check=False)
+    assert result.returncode == 2
+    assert "argument --mlrf-decoder-fusion: invalid choice: 'max'" in result.stderr
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize(
+    "encoder, decoder",
+    [("avg", "sa"), ("fnn", "avg"), ("sa", "fnn"), ("sa", "none"), ("none", "fnn")],
+    ids=["Both-AVG-SA", "Both-FNN-AVG", "Both-SA-FNN", "Enc-SA", "Dec-FNN"],
+)
+def test_train_generate_round_trip(encoder, decoder, data_bin, tmp_path):
+    """Every function on each side, one-sided and both; the presets (Both-FNN-SA, Dec-SA
+    with independent W1) run in tests/test_cli_roundtrip.py."""
+    assert_round_trip(data_bin, tmp_path, "slot_transformer", *fusion(encoder, decoder))
+
+
+def adam_state(checkpoint):
+    state = torch.load(checkpoint, weights_only=True)
+    optimizer = state["last_optimizer_state"]
+    steps = {param["step"] for param in optimizer["state"].values()}
+    return state, steps, optimizer["param_groups"][0]["lr"]
+
+
+def test_restart_adam_second_phase_starts_with_fresh_moments(data_bin, tmp_path):
+    """Paper §4.2: 1 epoch with inverse_sqrt, then the Adam restart for 1 more epoch at a
+    fixed lr (the README's recipe flags). Fresh moments: phase 2's Adam step count is
+    phase 2's updates only (a resumed optimizer would count phase 1's too)."""
+    phase1, phase2 = tmp_path / "phase1", tmp_path / "phase2"
+    run_fairseq("train", *train_args(data_bin, phase1, "mlrf_transformer_iwslt_de_en", "--max-epoch", "1",
+                                     "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
+                                     max_update=1000))
+    restart = ["--restore-file", phase1 / "checkpoint_last.pt", "--reset-optimizer",
+               "--reset-lr-scheduler", "--reset-meters", "--lr-scheduler", "fixed", "--lr", "5e-5",
+               "--batch-size", "32", "--max-epoch", "2"]
+    result = run_fairseq("train", *train_args(data_bin, phase2, "mlrf_transformer_iwslt_de_en", *restart,
+                                              max_update=1000))
+    log = result.stdout + result.stderr
+    assert re.search(r"Loaded checkpoint \S+phase1/checkpoint_last.pt \(epoch 2 @ 0 updates\)", log)
+    assert "begin training epoch 2" in log and "begin training epoch 1" not in log
+    first, first_steps, _ = adam_state(phase1 / "checkpoint_last.pt")
+    second, second_steps, lr = adam_state(phase2 / "checkpoint_last.pt")
+    updates1 = first["optimizer_history"][-1]["num_updates"]
+    updates2 = second["optimizer_history"][-1]["num_updates"]
+    assert first_steps == {updates1} and updates1 > 0
+    assert second_steps == {updates2} and updates2 > 0
+    # the epoch count goes on (the iterator stores the next epoch)
+    epochs = [state["extra_state"]["train_iterator"]["epoch"] for state in (first, second)]
+    assert epochs[1] == epochs[0] + 1
+    assert lr == pytest.approx(5e-5)
+
+
+# ----------------------------------------------------------------------------- Figure 5 data
+
+
+def hop_weight_checkpoint(tmp_path, *fusion_options):
+    data_dir = write_data_bin(tmp_path / "bin")
+    cfg, _, model = build_task_and_model(str(data_dir), extra_args=[
+        "--arch", "slot_transformer", *fusion_options, *SMALL_FUSION])
+    return data_dir, save_checkpoint(tmp_path / "model.pt", cfg, model)
+
+
+def test_hop_weight_analysis_writes_data_and_heat_maps(tmp_path):
+    data_dir, checkpoint = hop_weight_checkpoint(tmp_path, DEC, "sa")
+    (tmp_path / "src.txt").write_text("w1 w2 w3\nw4 w5\nw6\n")
+    (tmp_path / "tgt.txt").write_text("w3 w2 w1\nw5 w4 w9 w8\nw6\n")
+    prefix = str(tmp_path / "out" / "hops")
+    mlrf_hop_weights.main([str(checkpoint), "--data-bin", str(data_dir),
+                           "--source", str(tmp_path / "src.txt"), "--target", str(tmp_path / "tgt.txt"),
+                           "--lines", "2", "3", "--plots", "1", "--output-prefix", prefix])
+    result = json.loads(open(prefix + ".json").read())
+    assert result["layers"] == ["l0", "l1", "l2"] and result["hops"] == HOPS
+    second = result["sentences"][0]
+    assert second["line"] == 2 and second["positions"] == ["</s>", "w5", "w4", "w9", "w8"]
+    weights = torch.tensor(second["weights"])  # n_hop x K x T
+    assert weights.shape == (HOPS, DECODER_LAYERS + 1, 5)
+    torch.testing.assert_close(weights.sum(1), torch.ones(HOPS, 5))
+    rows = open(prefix + ".csv").read().splitlines()
+    assert len(rows) == 1 + (5 + 2) * HOPS * (DECODER_LAYERS + 1)
+    assert (tmp_path / "out" / "hops_line2.png").stat().st_size > 0
+    assert not (tmp_path / "out" / "hops_line3.png").exists()
+
+
+def test_hop_weight_analysis_needs_an_sa_fusion(tmp_path, capsys):
+    data_dir, checkpoint = hop_weight_checkpoint(tmp_path, DEC, "fnn")
+    with pytest.raises(SystemExit) as exit_info:
+        mlrf_hop_weights.main([str(checkpoint), "--data-bin", str(data_dir), "--split", "test"])
+    assert exit_info.value.code == 2
+    assert "no SA fusion on the decoder side" in capsys.readouterr().err
