@@ -2,3 +2,6 @@
 slots and registers the paper's presets."""
 from . import slot_transformer  # noqa: F401
 from . import joint_attention  # noqa: F401
+from . import mma  # noqa: F401
+from . import dual_contextual  # noqa: F401
+from . import representation_fusion  # noqa: F401

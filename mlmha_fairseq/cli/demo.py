@@ -1,0 +1,222 @@
+"""The main job (``make demo``): real French->English data, every system with the same
+budget, sacreBLEU with its signature, paired bootstrap significance, a results table.
+
+Steps, each printed with the command it runs:
+
+1. build the verse-aligned Bible corpus (Segond 1910 -> World English Bible, both public
+   domain; test books never seen in training) with ``mlmha_fairseq.cli.build_corpus``;
+2. train fairseq's transformer and this package's systems with ``fairseq-train --user-dir
+   mlmha_fairseq``, the same model size, data, seed and number of updates;
+3. decode the test books with ``fairseq-generate``, detokenize, score with sacreBLEU (13a,
+   cased) against the raw references, and test every system against the baseline with
+   sacreBLEU's paired bootstrap resampling (1,000 resamples);
+4. print and save (``results.md``, ``results.json``) the table and a few translations.
+
+``--full`` runs the longer version: more data and updates and every system.
+Usage: ``python -m mlmha_fairseq.cli.demo --help``.
+"""
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List
+
+import mlmha_fairseq
+from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
+from mlmha_fairseq.evaluation.significance import SignificanceOptions, compare_systems
+from mlmha_fairseq.evaluation.text_io import read_lines
+
+logger = logging.getLogger("mlmha_fairseq.demo")
+USER_DIR = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
+SOURCE, TARGET = "fr", "en"
+SIGNIFICANCE_METHOD = "sacrebleu-bs"
+EXAMPLES_SHOWN = 3
+
+
+@dataclass
+class System:
+    name: str
+    arch: str
+    options: List[str] = field(default_factory=list)
+    full_only: bool = False
+
+
+MLMHA = ["--decoder-cross-attention", "multi-layer"]
+SYSTEMS = [
+    System("Transformer (fairseq)", "transformer"),
+    System("MLMHA M-00", "slot_transformer", MLMHA + ["--mlmha-variant", "M-00"]),
+    System("Iter-C-Agg", "slot_transformer", ["--layer-aggregation", "iter-c-agg"]),
+    System("MLMHA M-01", "slot_transformer", MLMHA + ["--mlmha-variant", "M-01"], full_only=True),
+    System("MLMHA M-10", "slot_transformer", MLMHA + ["--mlmha-variant", "M-10"], full_only=True),
+    System("MLMHA M-11", "slot_transformer", MLMHA + ["--mlmha-variant", "M-11"], full_only=True),
+    System("S-Agg", "slot_transformer", ["--layer-aggregation", "s-agg"], full_only=True),
+    System("Transparent Attention", "slot_transformer", ["--layer-aggregation", "transparent"], full_only=True),
+]
+BASELINE = SYSTEMS[0].name
+
+MODEL = [
+    "--encoder-layers", "3", "--decoder-layers", "3",
+    "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+    "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--share-all-embeddings", "--dropout", "0.1",
+]
+
+# (train verses, BPE merges, updates) of the quick and the full demo
+QUICK = dict(train_verses=10000, bpe_merges=4000, max_update=250)
+FULL = dict(train_verses=None, bpe_merges=8000, max_update=3000)
+
+
+def run(command: List[str], log_name: str, work_dir: str) -> None:
+    """Run a command, its output into ``logs/<log_name>.log``; fail with the log's tail."""
+    log_path = os.path.join(work_dir, "logs", f"{log_name}.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    logger.info("$ %s", " ".join(command))
+    start = time.time()
+    with open(log_path, "w") as log:
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        with open(log_path) as log:
+            tail = log.read()[-3000:]
+        sys.exit(f"failed ({result.returncode}): {' '.join(command)}\n{tail}\n(full log: {log_path})")
+    logger.info("  done in %.0f s (log: %s)", time.time() - start, log_path)
+
+
+def fairseq(tool: str, *args) -> List[str]:
+    return [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+
+
+def build_corpus(corpus_dir: str, settings: dict, work_dir: str) -> None:
+    options = ["--sources", SOURCE, "--target", TARGET, "--out-dir", corpus_dir,
+               "--max-tokens-per-verse", "50", "--bpe-merges", str(settings["bpe_merges"])]
+    if settings["train_verses"]:
+        options += ["--max-train-verses", str(settings["train_verses"])]
+    run([sys.executable, "-m", "mlmha_fairseq.cli.build_corpus", *options], "corpus", work_dir)
+
+
+def train(system: System, data_bin: str, save_dir: str, max_update: int, seed: int, work_dir: str):
+    run(fairseq(
+        "train", data_bin, "--user-dir", USER_DIR, "--arch", system.arch, *MODEL, *system.options,
+        "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "2e-3",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", max(1, max_update // 5),
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", "2048", "--max-update", max_update, "--save-dir", save_dir,
+        "--no-epoch-checkpoints", "--no-last-checkpoints",
+        "--seed", seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
+    ), f"train-{os.path.basename(save_dir)}", work_dir)
+
+
+def translate(data_bin: str, checkpoint: str, output: str, beam: int, work_dir: str) -> None:
+    # --required-batch-size-multiple 1: fairseq's default of 8 drops the last test sentences
+    command = fairseq(
+        "generate", data_bin, "--user-dir", USER_DIR, "--path", checkpoint, "--beam", beam,
+        "--remove-bpe", "--batch-size", "64", "--required-batch-size-multiple", "1",
+        "--max-len-a", "1.2", "--max-len-b", "10", "--cpu", "--results-path", output,
+    )
+    run(command, f"generate-{os.path.basename(output)}", work_dir)
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def results_table(scores, significance, n_updates: int, signature: str) -> str:
+    p_values = {r.system: r for r in significance}
+    lines = [
+        f"| system | BLEU | Δ | p (paired bootstrap) |",
+        "|---|---|---|---|",
+    ]
+    base = scores[BASELINE]
+    for name, score in scores.items():
+        if name == BASELINE:
+            lines.append(f"| {name} | {score:.2f} | | |")
+        else:
+            result = p_values[name]
+            lines.append(f"| {name} | {score:.2f}{result.mark} | {score - base:+.2f} | {result.p_value:.3f} |")
+    lines.append("")
+    lines.append(f"{n_updates} updates each; sacreBLEU {signature}; † p<0.05, ‡ p<0.01 against "
+                 f"{BASELINE} (sacreBLEU paired bootstrap, 1,000 resamples)")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work-dir", default="work-demo", help="data, checkpoints, outputs, logs")
+    parser.add_argument("--full", action="store_true",
+                        help="longer version: all training verses, more updates, every system")
+    parser.add_argument("--max-update", type=int, help="training updates per system (overrides the preset)")
+    parser.add_argument("--systems", help="comma-separated system names to run (the baseline is always run)")
+    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def chosen_systems(args) -> List[System]:
+    if args.systems:
+        names = {n.strip() for n in args.systems.split(",")} | {BASELINE}
+        unknown = names - {s.name for s in SYSTEMS}
+        if unknown:
+            sys.exit(f"error: unknown system(s) {sorted(unknown)}; known: {[s.name for s in SYSTEMS]}")
+        return [s for s in SYSTEMS if s.name in names]
+    return [s for s in SYSTEMS if args.full or not s.full_only]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(format="[demo %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO, force=True)
+    settings = dict(FULL if args.full else QUICK)
+    if args.max_update:
+        settings["max_update"] = args.max_update
+    systems = chosen_systems(args)
+    start = time.time()
+
+    corpus = os.path.join(args.work_dir, "corpus")
+    logger.info("step 1/4: corpus %s->%s", SOURCE, TARGET)
+    build_corpus(corpus, settings, args.work_dir)
+    data_bin = os.path.join(corpus, "data-bin")
+    references = read_lines(os.path.join(corpus, "text", f"test.raw.{TARGET}"))
+    sources = read_lines(os.path.join(corpus, "text", f"test.raw.{SOURCE}"))
+
+    protocol = resolve_protocol("sacrebleu")
+    text_options = TextOptions(input_format="generate", detokenize_lang=TARGET)
+    hypotheses, scores, signature = {}, {}, ""
+    for number, system in enumerate(systems, 1):
+        name = slug(system.name)
+        logger.info("step 2-3/4: system %d/%d %s: train %d updates, decode",
+                    number, len(systems), system.name, settings["max_update"])
+        save_dir = os.path.join(args.work_dir, "checkpoints", name)
+        train(system, data_bin, save_dir, settings["max_update"], args.seed, args.work_dir)
+        output = os.path.join(args.work_dir, "outputs", name)
+        translate(data_bin, os.path.join(save_dir, "checkpoint_best.pt"), output, args.beam, args.work_dir)
+        hypotheses[system.name] = load_hypotheses(
+            os.path.join(output, "generate-test.txt"), protocol, text_options)
+        score = corpus_score(hypotheses[system.name], [references], protocol)
+        scores[system.name], signature = score.score, score.signature
+        logger.info("  %s: %s", system.name, score.line)
+
+    logger.info("step 4/4: significance against %s", BASELINE)
+    others = [(name, hyps) for name, hyps in hypotheses.items() if name != BASELINE]
+    significance, _ = compare_systems(hypotheses[BASELINE], others, [references], protocol,
+                                      [SIGNIFICANCE_METHOD], SignificanceOptions())
+    table = results_table(scores, significance, settings["max_update"], signature)
+    examples = "\n\n".join(
+        f"source:    {sources[i]}\nreference: {references[i]}\n"
+        + "\n".join(f"{name + ':':<24} {hyps[i]}" for name, hyps in hypotheses.items())
+        for i in range(EXAMPLES_SHOWN)
+    )
+    with open(os.path.join(args.work_dir, "results.md"), "w") as f:
+        f.write(table + "\n\n```\n" + examples + "\n```\n")
+    with open(os.path.join(args.work_dir, "results.json"), "w") as f:
+        json.dump({"settings": settings, "systems": [s.__dict__ for s in systems], "bleu": scores,
+                   "signature": signature, "significance": [r.as_row() for r in significance]}, f, indent=2)
+    print(f"\n{table}\n\nExample translations (test books):\n\n{examples}\n")
+    logger.info("finished in %.1f minutes; results in %s", (time.time() - start) / 60,
+                os.path.join(args.work_dir, "results.md"))
+
+
+if __name__ == "__main__":
+    main()
