@@ -211,7 +211,7 @@ def test_masking_an_encoder_layer_zero_vs_drop(bias):
         (mlmha("M-00", "--mlmha-top-n", "4"), "--mlmha-top-n 4 needs 1 <= n <= 3"),
         (mlmha("M-00", "--mlmha-top-n", "2", "--mlmha-mask-encoder-layer", "1"),
          "only encoder layers 2..3 are collected"),
-        (["--layer-aggregation", "s-agg", *mlmha("M-00")], "claimed by several mechanisms"),
+        (["--layer-aggregation", "s-agg", *mlmha("M-00")], "layer_aggregation replaces the encoder output .* attends to 'mlmha_taps'"),
     ],
 )
 def test_bad_configurations_are_refused_with_a_clear_message(options, message):

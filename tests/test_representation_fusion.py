@@ -221,7 +221,7 @@ def test_parameter_count_closed_forms(options, extra):
 
 def test_nist_preset_is_dec_sa_with_independent_w1():
     model = build_model("mlrf_transformer_nist")
-    assert model.encoder.memory is None
+    assert len(model.encoder.memories) == 0
     attention = model.decoder.output_fusion.fusion.attention
     assert attention.w1.shape == (DECODER_LAYERS + 1, D, 1024) and attention.w2.out_features == 4
     assert model.encoder.embed_tokens is not model.decoder.embed_tokens
@@ -233,17 +233,17 @@ def test_nist_preset_is_dec_sa_with_independent_w1():
 def test_one_layer_embedding_table_is_shared_and_survives_a_checkpoint(tmp_path):
     dictionary = toy_dictionary()
     model = build_model("slot_transformer", *fusion("sa", "sa"), dictionary=dictionary)
-    table = model.encoder.memory.layer_embedding
+    table = model.encoder.memories["mlrf_fusion"].layer_embedding
     assert model.decoder.output_fusion.layer_embedding is table
     assert table.weight.shape == (max(ENCODER_LAYERS, DECODER_LAYERS) + 1, D)
     state = model.state_dict()
-    keys = ("encoder.memory.layer_embedding.weight", "decoder.output_fusion.layer_embedding.weight")
+    keys = ("encoder.memories.mlrf_fusion.layer_embedding.weight", "decoder.output_fusion.layer_embedding.weight")
     assert state[keys[0]].data_ptr() == state[keys[1]].data_ptr()  # both keys, one tensor
     torch.save(state, tmp_path / "model.pt")
     loaded = build_model("slot_transformer", *fusion("sa", "sa"), dictionary=dictionary)
     loaded.load_state_dict(torch.load(tmp_path / "model.pt"), strict=True)
-    assert loaded.decoder.output_fusion.layer_embedding is loaded.encoder.memory.layer_embedding
-    torch.testing.assert_close(loaded.encoder.memory.layer_embedding.weight, table.weight)
+    assert loaded.decoder.output_fusion.layer_embedding is loaded.encoder.memories["mlrf_fusion"].layer_embedding
+    torch.testing.assert_close(loaded.encoder.memories["mlrf_fusion"].layer_embedding.weight, table.weight)
     optimizer = torch.optim.Adam(loaded.parameters())  # the table is one parameter
     assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == num_params(loaded)
 
@@ -318,7 +318,8 @@ def test_encoder_fusion_at_generation_uses_every_layer(norm):
          r"--mlrf-fusion-dropout 1.0 must be in \[0, 1\)"),
         (fusion("fnn", "sa", "--decoder-embed-dim", "8", "--decoder-attention-heads", "2"),
          "--encoder-embed-dim == --decoder-embed-dim"),
-        (fusion("sa") + ["--layer-aggregation", "s-agg"], "claimed by several mechanisms"),
+        (fusion("sa") + ["--layer-aggregation", "s-agg"],
+         r"'encoder_out' is written by several mechanisms \(layer_aggregation, mlrf_fusion\)"),
     ],
 )
 def test_bad_configurations_are_refused_with_a_clear_message(options, message):

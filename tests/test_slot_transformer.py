@@ -71,3 +71,23 @@ def test_unclaimed_slot_keeps_fairseq_module():
     assert slot.build(Cfg()) is None
     Cfg.test_slot = "mine"
     assert isinstance(slot.build(Cfg()), torch.nn.Identity)
+
+
+def test_mechanisms_of_different_slots_compose():
+    """Mixed encoder heads + a Dual Contextual decoder layer + MLMHA cross-attention + MLRF
+    decoder-side fusion: one model, still exact under incremental decoding with beam
+    reordering."""
+    dictionary = toy_dictionary()
+    model = build_model(
+        "slot_transformer", "--encoder-self-attention", "mixed", "--dc-decoder-layers", "1",
+        "--decoder-cross-attention", "multi-layer", "--mlmha-variant", "M-10",
+        "--mlrf-decoder-fusion", "sa", dictionary=dictionary,
+    )
+    assert set(model.encoder.memories) == {"mlmha_taps"}
+    assert_incremental_matches_full(model, dictionary)
+
+
+def test_a_replaced_encoder_output_the_decoder_does_not_read_is_refused():
+    with pytest.raises(ValueError, match="mlrf_fusion replaces the encoder output"):
+        build_model("slot_transformer", "--mlrf-encoder-fusion", "fnn",
+                    "--decoder-cross-attention", "multi-layer")

@@ -123,6 +123,8 @@ def _build_collector(cfg) -> SourceFeatureCollector:
 class CollectedTaps(nn.Module):
     """Encoder memory for MLMHA: the Source Feature Collector's taps (spec A.3.1)."""
 
+    output_keys = (TAPS_KEY,)
+
     def __init__(self, collector: SourceFeatureCollector):
         super().__init__()
         self.collector = collector
@@ -135,6 +137,8 @@ class CollectedTaps(nn.Module):
 class AggregatedMemory(nn.Module):
     """Encoder memory from a layer aggregation: ``H^a`` replaces the top encoder layer
     as every decoder layer's keys and values (thesis §2.2)."""
+
+    output_keys = ("encoder_out",)
 
     def __init__(self, collector: SourceFeatureCollector, aggregation: nn.Module):
         super().__init__()
@@ -150,6 +154,8 @@ class TransparentMemories(nn.Module):
     """Encoder memory for Transparent Attention: one mixture of the L+1 encoder states
     (embedding output, layers 1..L) per decoder layer. [choice] In pre-norm the top state
     is the normalised encoder output, as every other decoder memory of this package."""
+
+    output_keys = (TRANSPARENT_KEY,)
 
     def __init__(self, num_states: int, num_decoder_layers: int):
         super().__init__()
@@ -202,12 +208,12 @@ def build_transparent_cross_attention(cfg, layer_idx, embed_dim):
     )
 
 
-@ENCODER_MEMORY.register("multi-layer taps")
+@ENCODER_MEMORY.register("mlmha_taps")
 def build_collected_taps(cfg, num_layers):
     return CollectedTaps(_build_collector(cfg)) if _uses_multi_layer_attention(cfg) else None
 
 
-@ENCODER_MEMORY.register("layer aggregation")
+@ENCODER_MEMORY.register("layer_aggregation")
 def build_aggregated_memory(cfg, num_layers):
     name = _aggregation(cfg)
     if name in (NO_AGGREGATION, TRANSPARENT):
@@ -221,7 +227,7 @@ def build_aggregated_memory(cfg, num_layers):
     return AggregatedMemory(_build_collector(cfg), aggregation)
 
 
-@ENCODER_MEMORY.register("transparent attention")
+@ENCODER_MEMORY.register("transparent_attention")
 def build_transparent_memories(cfg, num_layers):
     if _aggregation(cfg) != TRANSPARENT:
         return None

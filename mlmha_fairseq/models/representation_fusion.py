@@ -42,6 +42,7 @@ NONE = "none"
 ENCODER, DECODER = "encoder", "decoder"
 DEFAULTS = FusionOptions()
 EMBEDDING_LAYER = 0  # footnote 2: the word-embedding layer is layer 0
+MLRF_FUSION = "mlrf_fusion"
 FUSED_OUTPUT = {ENCODER: "the memory every decoder layer attends to (Enc-*)",
                 DECODER: "the input of the output projection (Dec-*)"}
 
@@ -195,6 +196,8 @@ class FusedEncoderMemory(LayerFusion):
     layers' own normalised outputs, so nothing changes.
     """
 
+    output_keys = ("encoder_out",)
+
     def forward(self, encoder_out: Dict[str, List[Tensor]]) -> Dict[str, List[Tensor]]:
         states = encoder_out["encoder_states"][:-1] + encoder_out["encoder_out"]
         return {"encoder_out": [self.fuse(states)]}
@@ -224,12 +227,12 @@ def _build_layer_fusion(wrapper, cfg, side: str, num_layers: int) -> Optional[La
     return wrapper(fusion, num_layers, include_embedding_layer, layer_embedding)
 
 
-@ENCODER_MEMORY.register("MLRF fusion")
+@ENCODER_MEMORY.register(MLRF_FUSION)
 def build_fused_encoder_memory(cfg, num_layers):
     return _build_layer_fusion(FusedEncoderMemory, cfg, ENCODER, num_layers)
 
 
-@DECODER_OUTPUT.register("MLRF fusion")
+@DECODER_OUTPUT.register(MLRF_FUSION)
 def build_fused_decoder_output(cfg, num_layers):
     return _build_layer_fusion(FusedDecoderOutput, cfg, DECODER, num_layers)
 
@@ -239,7 +242,7 @@ def share_layer_embedding(model: nn.Module):
     """One layer-embedding table for the encoder and the decoder (§3.2, "for simple
     implementation"): the decoder's fusion uses the encoder's table. The state dict keeps
     both keys (the same tensor), ``model.parameters()`` yields it once."""
-    memory = getattr(model.encoder, "memory", None)
+    memory = model.encoder.memories[MLRF_FUSION] if MLRF_FUSION in model.encoder.memories else None
     output = getattr(model.decoder, "output_fusion", None)
     if not (isinstance(memory, LayerFusion) and isinstance(output, LayerFusion)):
         return

@@ -9,10 +9,12 @@ dict, same outputs (``tests/test_slot_transformer.py``).
 What the slots add to fairseq's data flow:
 
 * The encoder collects every layer's output whenever its memory slot is filled, also at
-  generation time, where fairseq calls it without ``return_all_hiddens``. The memory
-  module returns extra ``encoder_out`` entries: lists of time-major tensors
-  ``(..., T, B, C)``, which :meth:`SlotTransformerEncoder.reorder_encoder_out` reorders
-  along the batch dimension (fairseq's own method drops unknown entries).
+  generation time, where fairseq calls it without ``return_all_hiddens``. Each memory
+  module (several mechanisms may add one) reads fairseq's encoder output and returns the
+  entries it declares in ``output_keys``: lists of time-major tensors ``(..., T, B, C)``,
+  which :meth:`SlotTransformerEncoder.reorder_encoder_out` reorders along the batch
+  dimension (fairseq's own method drops unknown entries). A module may also replace
+  ``encoder_out`` itself (the memory of the standard cross-attention).
 * A cross-attention module names the ``encoder_out`` entry it attends to
   (``memory_key``, default ``"encoder_out"``); the decoder hands that entry to every layer
   in place of the top encoder layer, so fairseq's layer loop runs unchanged.
@@ -20,7 +22,7 @@ What the slots add to fairseq's data flow:
 """
 from typing import Dict, List, Optional
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
@@ -45,6 +47,7 @@ from .slots import (
     ENCODER_SELF_ATTENTION,
     add_slot_args,
     apply_model_hooks,
+    check_distinct_outputs,
     set_slot_defaults,
 )
 
@@ -105,7 +108,8 @@ class SlotTransformerEncoder(TransformerEncoderBase):
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
-        self.memory = ENCODER_MEMORY.build(cfg, num_layers=self.num_layers)
+        self.memories = nn.ModuleDict(ENCODER_MEMORY.build_all(cfg, num_layers=self.num_layers))
+        check_distinct_outputs(self.memories)
 
     def build_encoder_layer(self, cfg):
         layer = SlotTransformerEncoderLayer(cfg, _next_layer_index(self), return_fc=self.return_fc)
@@ -121,14 +125,17 @@ class SlotTransformerEncoder(TransformerEncoderBase):
         """fairseq's encoder forward, plus the memory slot's entries.
 
         The layer outputs are collected whenever the memory slot needs them, and returned
-        as ``encoder_states`` only if the caller asked for them.
+        as ``encoder_states`` only if the caller asked for them. Every memory module sees
+        fairseq's own output, whatever the others write.
         """
-        needs_states = self.memory is not None
+        needs_states = len(self.memories) > 0
         encoder_out = self.forward_scriptable(
             src_tokens, src_lengths, return_all_hiddens or needs_states, token_embeddings
         )
         if needs_states:
-            encoder_out.update(self.memory(encoder_out))
+            entries = [memory(encoder_out) for memory in self.memories.values()]
+            for entry in entries:
+                encoder_out.update(entry)
             if not return_all_hiddens:
                 encoder_out["encoder_states"] = []
                 encoder_out["fc_results"] = []
@@ -221,6 +228,18 @@ class SlotTransformerDecoder(TransformerDecoderBase):
         return x
 
 
+def _check_replaced_memory_is_read(model):
+    """An encoder memory that replaces ``encoder_out`` only matters to a cross-attention
+    that reads ``encoder_out``: refuse the combinations where it would be silently unused."""
+    writers = [name for name, memory in model.encoder.memories.items() if ENCODER_OUT in memory.output_keys]
+    if writers and model.decoder.memory_key != ENCODER_OUT:
+        raise ValueError(
+            f"{', '.join(writers)} replaces the encoder output that the standard cross-attention "
+            f"attends to, but this decoder's cross-attention attends to {model.decoder.memory_key!r}: "
+            "choose one"
+        )
+
+
 @register_model("slot_transformer")
 class SlotTransformerModel(TransformerModel):
     """fairseq's transformer (Vaswani et al., 2017) with slots for this package's
@@ -235,6 +254,7 @@ class SlotTransformerModel(TransformerModel):
     def build_model(cls, args, task):
         slot_transformer(args)  # complete options of checkpoints written by older versions
         model = super().build_model(args, task)
+        _check_replaced_memory_is_read(model)
         apply_model_hooks(model)  # what spans several slots (slots.register_model_hook)
         return model
 

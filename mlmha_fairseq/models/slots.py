@@ -6,8 +6,10 @@ Transformer (DESIGN.md, "papers are presets, mechanisms are slots"). Each place 
 configuration (and of where it is built, e.g. the layer index) that returns a module,
 or ``None`` when the configuration does not ask for that mechanism there. When no filler
 claims a slot, the model keeps fairseq's own module, so with every option off the model
-is exactly fairseq's transformer. Two fillers claiming the same slot is a configuration
-error, reported with both names.
+is exactly fairseq's transformer. Two fillers claiming an exclusive slot is a
+configuration error, reported with both names. The encoder memory slot is not exclusive:
+each mechanism adds its own named entries to the encoder output (see
+:func:`check_distinct_outputs`).
 
 Mechanisms also register their command-line options here (:func:`register_options`), so
 that ``fairseq-train --arch slot_transformer --help`` lists every option of every slot.
@@ -33,9 +35,10 @@ class Slot:
     their own mechanism's options (e.g. ``--layer-aggregation``).
     """
 
-    def __init__(self, name: str, option: Optional[str] = None):
+    def __init__(self, name: str, option: Optional[str] = None, exclusive: bool = True):
         self.name = name
         self.option = option
+        self.exclusive = exclusive
         self._fillers: Dict[str, Filler] = {}
         self._selectable: List[str] = []
 
@@ -72,8 +75,8 @@ class Slot:
     def selected(self, cfg) -> str:
         return (safe_getattr(cfg, self.dest) or DEFAULT) if self.option else DEFAULT
 
-    def build(self, cfg, **context) -> Optional[nn.Module]:
-        """The module of the one filler that claims this slot for ``cfg``, or None."""
+    def build_all(self, cfg, **context) -> Dict[str, nn.Module]:
+        """The modules of every filler that claims this slot for ``cfg``, by filler name."""
         selected = self.selected(cfg)
         claimed = {}
         for name, fn in self._fillers.items():
@@ -82,6 +85,11 @@ class Slot:
             module = fn(cfg, **context)
             if module is not None:
                 claimed[name] = module
+        return claimed
+
+    def build(self, cfg, **context) -> Optional[nn.Module]:
+        """The module of the one filler that claims this exclusive slot for ``cfg``, or None."""
+        claimed = self.build_all(cfg, **context)
         if len(claimed) > 1:
             raise ValueError(
                 f"the {self.name} slot{_where(context)} is claimed by several mechanisms "
@@ -99,9 +107,23 @@ def _where(context) -> str:
 ENCODER_SELF_ATTENTION = Slot("encoder self-attention", "--encoder-self-attention")
 DECODER_SELF_ATTENTION = Slot("decoder self-attention", "--decoder-self-attention")
 DECODER_CROSS_ATTENTION = Slot("decoder cross-attention", "--decoder-cross-attention")
-ENCODER_MEMORY = Slot("encoder memory")
+ENCODER_MEMORY = Slot("encoder memory", exclusive=False)
 DECODER_OUTPUT = Slot("decoder output")
 SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
+
+def check_distinct_outputs(memories: Dict[str, nn.Module]):
+    """Encoder memory modules declare the ``encoder_out`` entries they write
+    (``output_keys``); two mechanisms writing one entry cannot be combined."""
+    producers: Dict[str, str] = {}
+    for name, module in memories.items():
+        for key in module.output_keys:
+            if key in producers:
+                raise ValueError(
+                    f"the encoder output {key!r} is written by several mechanisms "
+                    f"({producers[key]}, {name}): choose one"
+                )
+            producers[key] = name
+
 
 _OPTION_GROUPS: List[Callable] = []
 _DEFAULTS: List[Callable] = []
