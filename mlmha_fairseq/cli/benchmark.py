@@ -2,13 +2,17 @@
 
 For every configuration, at one fixed model size and batch shape, in the same run:
 
-* training: target tokens per second of full training steps (forward, backward, Adam);
+* training: target tokens per second of full training steps (forward, label-smoothed
+  criterion, backward, Adam);
 * generation: sentences per second of fairseq's ``SequenceGenerator`` (beam 5), every
   system forced to produce the same number of tokens so that speeds compare;
-* peak memory: the process's maximum resident set (CPU) or ``max_memory_allocated`` (CUDA),
-  each configuration measured in its own process;
 * FLOPs of one training step (``torch.utils.flop_counter``), whose ratio to the baseline is
-  the bound the speed ratio should approach.
+  the bound the time ratio should approach;
+* peak memory: the process's maximum resident set (CPU) or ``max_memory_allocated`` (CUDA)
+  of one training step and one beam search, each configuration in its own process.
+
+Each configuration's process also builds fairseq's transformer and alternates the two call
+by call, so the time ratios compare runs made under the same machine load.
 
 Usage: ``python -m mlmha_fairseq.cli.benchmark --output-dir bench`` (``--help`` for options);
 writes ``benchmark.json``, ``benchmark.csv``, ``benchmark.md`` and ``benchmark.png``.
@@ -56,6 +60,12 @@ CONFIGURATIONS: Dict[str, Tuple[str, List[str]]] = {
     "dc encoder": ("slot_transformer", ["--dc-encoder-layers", "all"]),
     "dc decoder": ("slot_transformer", ["--dc-decoder-layers", "all"]),
     "dc full": ("slot_transformer", ["--dc-encoder-layers", "all", "--dc-decoder-layers", "all"]),
+    # multi-level supervision (thesis ch. 4, Table 4.6a): without AIF generation runs the main
+    # decoder only; with AIF the auxiliary decoders run in lock-step. Training here times the
+    # main decoder's loss only (the auxiliary losses of the joint loss are not back-propagated).
+    "MS-1": ("ms_transformer", ["--aux-decoder-layers", "1"]),
+    "MS-1 + AIF": ("ms_transformer", ["--aux-decoder-layers", "1", "--aux-fusion"]),
+    "MS-123 + AIF": ("ms_transformer", ["--aux-decoder-layers", "1,2,3", "--aux-fusion"]),
 }
 
 SIZES = {
@@ -74,6 +84,7 @@ def size_options(size: str) -> List[str]:
 
 
 def build(name: str, size: str, vocab_size: int):
+    """The model, its training criterion and dictionary, built as fairseq-train builds them."""
     from fairseq import options, tasks
     from fairseq.data import Dictionary
 
@@ -84,90 +95,119 @@ def build(name: str, size: str, vocab_size: int):
     args = options.parse_args_and_arch(
         parser,
         ["unused", "--task", "translation", "--user-dir", os.path.dirname(mlmha_fairseq.__file__),
-         "--arch", arch, *size_options(size), *extra],
+         "--arch", arch, "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+         *size_options(size), *extra],
     )
     dictionary = Dictionary()
     for i in range(vocab_size - dictionary.nspecial):
         dictionary.add_symbol(f"w{i}")
     task = tasks.translation.TranslationTask(args, dictionary, dictionary)
-    return task.build_model(args), dictionary
+    return task.build_model(args), task.build_criterion(args), dictionary
 
 
-def random_batch(dictionary, sentences: int, length: int, device):
+def random_sample(dictionary, sentences: int, length: int, device):
+    """A training batch of random tokens, every sentence ``length`` tokens long."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(dictionary.nspecial, len(dictionary), (sentences, length), generator=gen)
     tokens[:, -1] = dictionary.eos()
-    prev = torch.roll(tokens, 1, dims=1)
-    lengths = torch.full((sentences,), length)
-    return tokens.to(device), lengths.to(device), prev.to(device)
+    net_input = {
+        "src_tokens": tokens.to(device),
+        "src_lengths": torch.full((sentences,), length, device=device),
+        "prev_output_tokens": torch.roll(tokens, 1, dims=1).to(device),
+    }
+    return {"net_input": net_input, "target": tokens.to(device), "ntokens": sentences * length,
+            "nsentences": sentences}
 
 
-def timed(fn, steps: int, warmup: int, device) -> float:
-    """Median seconds per call after warm-up."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return median(times)
+class Subject:
+    """One configuration ready to time: a training step (forward, criterion, backward,
+    Adam) and beam search forced to ``length`` tokens, so that every system decodes as much."""
 
+    def __init__(self, name: str, opts, device):
+        from fairseq.sequence_generator import SequenceGenerator
 
-def measure(name: str, opts) -> dict:
-    """All numbers of one configuration (run inside its own process)."""
-    from fairseq.sequence_generator import SequenceGenerator
-    from torch.utils.flop_counter import FlopCounterMode
+        torch.manual_seed(0)
+        self.name = name
+        self.model, self.criterion, dictionary = build(name, opts.size, opts.vocab_size)
+        self.model.to(device)
+        self.sample = random_sample(dictionary, opts.sentences, opts.length, device)
+        self.optimizer = torch.optim.Adam(self.model.parameters())
+        self.generator = SequenceGenerator([self.model], dictionary, beam_size=opts.beam,
+                                           max_len_a=0, max_len_b=opts.length, min_len=opts.length)
+        net_input = self.sample["net_input"]
+        self.gen_sample = {"net_input": {key: net_input[key][: opts.gen_sentences]
+                                         for key in ("src_tokens", "src_lengths")}}
 
-    device = torch.device(opts.device)
-    torch.manual_seed(0)
-    model, dictionary = build(name, opts.size, opts.vocab_size)
-    model.to(device)
-    src, lengths, prev = random_batch(dictionary, opts.sentences, opts.length, device)
-    optimizer = torch.optim.Adam(model.parameters())
+    def train_step(self):
+        self.model.train()
+        self.optimizer.zero_grad()
+        loss, _, _ = self.criterion(self.model, self.sample)
+        loss.backward()
+        self.optimizer.step()
 
-    def train_step():
-        optimizer.zero_grad()
-        logits = model(src, lengths, prev)[0]
-        torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), src.view(-1)).backward()
-        optimizer.step()
-
-    model.train()
-    with FlopCounterMode(display=False) as counter:
-        train_step()
-    train_seconds = timed(train_step, opts.steps, opts.warmup, device)
-
-    model.eval()
-    generator = SequenceGenerator([model], dictionary, beam_size=opts.beam, max_len_a=0,
-                                  max_len_b=opts.length, min_len=opts.length)
-    sample = {"net_input": {"src_tokens": src[: opts.gen_sentences], "src_lengths": lengths[: opts.gen_sentences]}}
-
-    def generate():
+    def generate(self):
+        self.model.eval()
         with torch.no_grad():
-            generator.generate([model], sample)
+            self.generator.generate([self.model], self.gen_sample)
 
-    gen_seconds = timed(generate, max(1, opts.steps // 2), 1, device)
-    if device.type == "cuda":
-        peak_mb = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+    def train_step_flops(self) -> int:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            self.train_step()
+        return counter.get_total_flops()
+
+
+def interleaved_seconds(subjects: List[Subject], action: str, repeats: int, device) -> List[float]:
+    """Median seconds of ``action`` per subject, the subjects alternating call by call so
+    that a change of machine load affects them alike (after one warm-up call each)."""
+    times = [[] for _ in subjects]
+    for repeat in range(repeats + 1):
+        for subject, collected in zip(subjects, times):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            getattr(subject, action)()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if repeat > 0:
+                collected.append(time.perf_counter() - start)
+    return [median(t) for t in times]
+
+
+def measure_speed(name: str, opts) -> dict:
+    """Speed and FLOPs of ``name`` and of the baseline, measured together in this process."""
+    device = torch.device(opts.device)
+    subjects = [Subject(BASELINE, opts, device)] + ([Subject(name, opts, device)] if name != BASELINE else [])
+    train = interleaved_seconds(subjects, "train_step", opts.steps, device)
+    generate = interleaved_seconds(subjects, "generate", max(1, opts.steps // 2), device)
+    subject = subjects[-1]
     return {
         "name": name,
-        "params": sum(p.numel() for p in model.parameters()),
-        "train_tokens_per_s": opts.sentences * opts.length / train_seconds,
-        "gen_sentences_per_s": opts.gen_sentences / gen_seconds,
-        "peak_memory_mb": peak_mb,
-        "train_step_flops": counter.get_total_flops(),
+        "params": sum(p.numel() for p in subject.model.parameters()),
+        "train_tokens_per_s": opts.sentences * opts.length / train[-1],
+        "gen_sentences_per_s": opts.gen_sentences / generate[-1],
+        "train_time_ratio": train[-1] / train[0],
+        "gen_time_ratio": generate[-1] / generate[0],
+        "flop_ratio": subject.train_step_flops() / subjects[0].train_step_flops(),
     }
 
 
-def run_in_subprocess(name: str, argv: List[str]) -> dict:
+def measure_memory(name: str, opts) -> float:
+    """Peak memory (MiB) of one training step and one beam search of ``name`` alone: CUDA's
+    peak allocation, or on CPU the process's peak resident set (interpreter included)."""
+    device = torch.device(opts.device)
+    subject = Subject(name, opts, device)
+    subject.train_step()
+    subject.generate()
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+
+
+def run_worker(mode: str, name: str, argv: List[str]):
     result = subprocess.run(
-        [sys.executable, "-m", "mlmha_fairseq.cli.benchmark", *argv, "--worker", name],
+        [sys.executable, "-m", "mlmha_fairseq.cli.benchmark", *argv, f"--{mode}", name],
         capture_output=True, text=True,
     )
     if result.returncode != 0:
@@ -178,9 +218,6 @@ def run_in_subprocess(name: str, argv: List[str]) -> dict:
 def with_ratios(rows: List[dict]) -> List[dict]:
     base = next(row for row in rows if row["name"] == BASELINE)
     for row in rows:
-        row["flop_ratio"] = row["train_step_flops"] / base["train_step_flops"]
-        row["train_time_ratio"] = base["train_tokens_per_s"] / row["train_tokens_per_s"]
-        row["gen_time_ratio"] = base["gen_sentences_per_s"] / row["gen_sentences_per_s"]
         row["memory_ratio"] = row["peak_memory_mb"] / base["peak_memory_mb"]
         row["param_ratio"] = row["params"] / base["params"]
     return rows
@@ -232,19 +269,23 @@ def parse_args(argv=None):
     parser.add_argument("--gen-sentences", type=int, default=16)
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--steps", type=int, default=6, help="timed training steps (median)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6,
+                        help="timed training steps per system, after one warm-up (median); beam searches: half")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", default="bench")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--speed-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     opts = parse_args(argv)
-    if opts.worker:
-        print(json.dumps(measure(opts.worker, opts)))
+    if opts.speed_worker:
+        print(json.dumps(measure_speed(opts.speed_worker, opts)))
+        return
+    if opts.memory_worker:
+        print(json.dumps(measure_memory(opts.memory_worker, opts)))
         return
     logging.basicConfig(format="[benchmark] %(message)s", level=logging.INFO, force=True)
     names = list(CONFIGURATIONS) if opts.configs == "all" else [BASELINE] + [
@@ -256,7 +297,9 @@ def main(argv=None):
     rows = []
     for number, name in enumerate(names, 1):
         logger.info("%d/%d %s (size %s, %s)", number, len(names), name, opts.size, opts.device)
-        rows.append(run_in_subprocess(name, argv))
+        row = run_worker("speed-worker", name, argv)
+        row["peak_memory_mb"] = run_worker("memory-worker", name, argv)
+        rows.append(row)
     rows = with_ratios(rows)
     os.makedirs(opts.output_dir, exist_ok=True)
     with open(os.path.join(opts.output_dir, "benchmark.json"), "w") as f:

@@ -127,7 +127,7 @@ def slug(name: str) -> str:
 def results_table(scores, significance, n_updates: int, signature: str) -> str:
     p_values = {r.system: r for r in significance}
     lines = [
-        f"| system | BLEU | Δ | p (paired bootstrap) |",
+        "| system | BLEU | Δ | p (paired bootstrap) |",
         "|---|---|---|---|",
     ]
     base = scores[BASELINE]
@@ -146,6 +146,9 @@ def results_table(scores, significance, n_updates: int, signature: str) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", default="work-demo", help="data, checkpoints, outputs, logs")
+    parser.add_argument("--corpus-dir",
+                        help=f"use this corpus made by mlmha_fairseq.cli.build_corpus ({SOURCE}->{TARGET} "
+                             "sides) instead of building one in the work directory")
     parser.add_argument("--full", action="store_true",
                         help="longer version: all training verses, more updates, every system")
     parser.add_argument("--max-update", type=int, help="training updates per system (overrides the preset)")
@@ -174,9 +177,12 @@ def main(argv=None):
     systems = chosen_systems(args)
     start = time.time()
 
-    corpus = os.path.join(args.work_dir, "corpus")
+    corpus = args.corpus_dir or os.path.join(args.work_dir, "corpus")
     logger.info("step 1/4: corpus %s->%s", SOURCE, TARGET)
-    build_corpus(corpus, settings, args.work_dir)
+    if args.corpus_dir:
+        logger.info("  using %s", corpus)
+    else:
+        build_corpus(corpus, settings, args.work_dir)
     data_bin = os.path.join(corpus, "data-bin")
     references = read_lines(os.path.join(corpus, "text", f"test.raw.{TARGET}"))
     sources = read_lines(os.path.join(corpus, "text", f"test.raw.{SOURCE}"))
