@@ -1,0 +1,127 @@
+"""Cross-attention weights of a multi-source model per source (Libovický et al. 2018,
+Appendix A) and the hierarchical second-level weights per source and decoder layer
+(Figure 2); spec mma_multisource.md B.9 items 3-4.
+
+Weights are recorded by the combination sublayers (``record_weights``) on a teacher-forced
+pass over the reference translation, averaged over heads. Padding is removed; EOS is kept.
+For the hierarchical strategy the joint view multiplies each source's weights by that
+source's second-level weight ([choice] both levels averaged over heads first, spec B.9.3).
+"""
+from typing import Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from mlmha_fairseq.data.multi_source_dataset import IMAGE
+from mlmha_fairseq.evaluation.plotting import _pyplot, _save
+from mlmha_fairseq.models.multi_source import combination_modules
+
+HEATMAP_INCHES_PER_TOKEN = 0.22
+MIN_FIGURE_INCHES = 3.0
+MAX_TICK_LABELS = 60  # longer axes get no token labels (they would overlap)
+IMAGE_POSITION = "#{}"  # column label of image position k
+
+
+def record(model, batch) -> List[Dict[str, List[torch.Tensor]]]:
+    """Per decoder layer, the recorded ``sources`` (n tensors ``B x T x S_k``) and, for the
+    hierarchical strategy, ``contexts`` (``B x T x n``) of one teacher-forced batch."""
+    modules = combination_modules(model)
+    for module in modules:
+        module.record_weights = True
+    try:
+        with torch.no_grad():
+            model(**batch["net_input"])
+        return [module.recorded for module in modules]
+    finally:
+        for module in modules:
+            module.record_weights = False
+            module.recorded = {}
+
+
+def sentence_weights(records, batch, kinds: Sequence[str], pad: int) -> List[Dict[str, np.ndarray]]:
+    """For each sentence of the batch: ``sources`` (per source, ``layers x T x S_k`` without
+    padding) and, if recorded, ``contexts`` (``layers x T x n``)."""
+    inputs = batch["net_input"]["multi_source_inputs"]
+    target = batch["target"]
+    sentences = []
+    for row in range(target.size(0)):
+        rows = target[row].ne(pad).nonzero(as_tuple=True)[0]
+        sources = []
+        for k, kind in enumerate(kinds):
+            columns = (torch.arange(inputs[k].size(1)) if kind == IMAGE
+                       else inputs[k][row].ne(pad).nonzero(as_tuple=True)[0])
+            stacked = torch.stack([r["sources"][k][row] for r in records])  # layers x T x S_k
+            sources.append(stacked[:, rows][:, :, columns].float().numpy())
+        weights = {"sources": sources}
+        if "contexts" in records[0]:
+            weights["contexts"] = torch.stack([r["contexts"][row] for r in records])[:, rows].float().numpy()
+        sentences.append(weights)
+    return sentences
+
+
+def joint_view(weights: Dict[str, np.ndarray], layer: int) -> np.ndarray:
+    """``T x (S_1 + ... + S_n)`` of decoder layer ``layer`` (0-based): the per-source weights
+    side by side, each scaled by its second-level weight for the hierarchical strategy."""
+    blocks = []
+    for k, source in enumerate(weights["sources"]):
+        block = source[layer]
+        if "contexts" in weights:
+            block = block * weights["contexts"][layer][:, k : k + 1]
+        blocks.append(block)
+    return np.concatenate(blocks, axis=1)
+
+
+def mean_context_weights(sentences: Sequence[Dict[str, np.ndarray]]) -> np.ndarray:
+    """Figure 2: ``layers x n`` mean second-level weight, averaged over target positions and
+    sentences (every target position counts once)."""
+    stacked = np.concatenate([s["contexts"] for s in sentences], axis=1)  # layers x ΣT x n
+    return stacked.mean(axis=1)
+
+
+def source_labels(tokens: Sequence[Sequence[str]], names: Sequence[str]) -> List[str]:
+    return [f"{name}:{token}" for name, words in zip(names, tokens) for token in words]
+
+
+def image_tokens(positions: int) -> List[str]:
+    return [IMAGE_POSITION.format(k) for k in range(positions)]
+
+
+def plot_joint_attention(weights: np.ndarray, target_tokens: Sequence[str], column_labels: Sequence[str],
+                         boundaries: Sequence[int], path: str, title: str) -> None:
+    """Appendix A: target tokens (rows) against the concatenated source tokens (columns),
+    with a line between sources."""
+    plt = _pyplot()
+    rows, columns = weights.shape
+    figure, axis = plt.subplots(figsize=(max(MIN_FIGURE_INCHES, columns * HEATMAP_INCHES_PER_TOKEN),
+                                         max(MIN_FIGURE_INCHES, rows * HEATMAP_INCHES_PER_TOKEN)))
+    image = axis.imshow(weights, cmap="Greys", vmin=0.0, vmax=max(float(weights.max()), 1e-9), aspect="auto")
+    for boundary in boundaries:
+        axis.axvline(boundary - 0.5, color="tab:red", linewidth=1)
+    if columns <= MAX_TICK_LABELS:
+        axis.set_xticks(range(columns))
+        axis.set_xticklabels(column_labels, rotation=90, fontsize="x-small")
+    if rows <= MAX_TICK_LABELS:
+        axis.set_yticks(range(rows))
+        axis.set_yticklabels(target_tokens, fontsize="x-small")
+    axis.set_title(title, fontsize="small")
+    figure.colorbar(image, ax=axis)
+    _save(figure, path)
+
+
+def plot_context_weights(means: np.ndarray, names: Sequence[str], path: str) -> None:
+    """Figure 2: second-level weight of each source (rows) per decoder layer (columns, 0-based
+    as in the paper), on a 0-1 scale."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(max(MIN_FIGURE_INCHES, 0.7 * means.shape[0] + 1.5),
+                                         max(2.0, 0.5 * len(names) + 1.0)))
+    image = axis.imshow(means.T, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    axis.set_xticks(range(means.shape[0]))
+    axis.set_xlabel("decoder layer")
+    axis.set_yticks(range(len(names)))
+    axis.set_yticklabels(names)
+    for layer in range(means.shape[0]):
+        for k in range(len(names)):
+            axis.text(layer, k, f"{means[layer, k]:.2f}", ha="center", va="center", fontsize="x-small",
+                      color="white" if means[layer, k] < 0.5 else "black")
+    figure.colorbar(image, ax=axis)
+    _save(figure, path)

@@ -1,0 +1,277 @@
+"""Task ``multi_source_translation``: n aligned sources (text, or precomputed image
+features) and one target, for the multi-source Transformer (spec mma_multisource.md B;
+pitfalls M1-M3).
+
+Data layout (what ``python -m mlmha_fairseq.cli.build_corpus --sources es fr de --target en``
+writes; docs/corpus.md): every text source ``s`` is binarized with the target by
+``fairseq-preprocess --srcdict dict.txt --tgtdict dict.txt`` (one joint dictionary) into
+``{split}.{s}-{tgt}.{s}.bin/.idx``; the target is read from the first text source's pair;
+an image source ``img`` is a float array ``{split}.{img}.npy`` of shape ``[sentences,
+positions, channels]``. Line ``i`` of every file is the same tuple. Everything is checked
+when a split is loaded, before training or decoding starts: a missing file, a language
+without dictionary, files with different numbers of sentences, image features with
+another number of rows or channels, or dictionaries that differ, each stop with a
+:class:`DataError` naming the file.
+
+Example (the order of ``--source-langs`` is the serial order, pitfall M15)::
+
+    fairseq-train data-bin --user-dir mlmha_fairseq --task multi_source_translation \
+        --source-langs es,fr,de,en --target-lang cs --primary-source en \
+        --arch multi_source_transformer_europarl --combination-strategy serial ...
+    fairseq-generate data-bin --user-dir mlmha_fairseq --task multi_source_translation \
+        --source-langs es,fr,de,en --target-lang cs --primary-source en \
+        --path checkpoint_best.pt --beam 10 --gnmt-lenpen 1.0 \
+        [--adversarial-source en --adversarial-seed 1]
+"""
+import glob
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from fairseq import utils
+from fairseq.data import Dictionary, data_utils, indexed_dataset
+from fairseq.dataclass import ChoiceEnum
+from fairseq.tasks import FairseqTask, register_task
+from omegaconf import II
+
+from mlmha_fairseq.data.multi_source_dataset import (
+    IMAGE,
+    NPY_SUFFIX,
+    TEXT,
+    DataError,
+    ImageFeatureDataset,
+    MultiSourceLanguagePairDataset,
+    deranged,
+)
+from mlmha_fairseq.generation.gnmt_task_mixin import (
+    GNMTLengthPenaltyConfig,
+    GNMTLengthPenaltyMixin,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_POSITIONS = 1024  # fairseq's translation task default
+DEFAULT_ADVERSARIAL_SEED = 1
+
+
+def _names(value: Optional[str]) -> List[str]:
+    return [name.strip() for name in (value or "").split(",") if name.strip()]
+
+
+@dataclass
+class MultiSourceTranslationConfig(GNMTLengthPenaltyConfig):
+    data: Optional[str] = field(
+        default=None,
+        metadata={"help": "data directory: {split}.{src}-{tgt}.{src}/.{tgt} binarized with one "
+                          "joint dictionary, {split}.{img}.npy for image sources"},
+    )
+    source_langs: Optional[str] = field(
+        default=None,
+        metadata={"help": "comma-separated sources in the model's order (the serial order), "
+                          "e.g. es,fr,de,en or en,img"},
+    )
+    target_lang: Optional[str] = field(
+        default=None, metadata={"help": "target language", "argparse_alias": "-t"}
+    )
+    image_sources: Optional[str] = field(
+        default=None,
+        metadata={"help": "comma-separated names among --source-langs that are precomputed "
+                          "image features ({split}.{name}.npy, [sentences, positions, channels])"},
+    )
+    primary_source: Optional[str] = field(
+        default=None,
+        metadata={"help": "text source given to fairseq as src_tokens: fairseq-generate's "
+                          "S- lines and --max-len-a count it (default: the first text source)"},
+    )
+    left_pad_source: bool = field(default=True, metadata={"help": "pad text sources on the left"})
+    left_pad_target: bool = field(default=False, metadata={"help": "pad the target on the left"})
+    max_source_positions: int = field(
+        default=DEFAULT_MAX_POSITIONS, metadata={"help": "max tokens of each text source"}
+    )
+    max_target_positions: int = field(
+        default=DEFAULT_MAX_POSITIONS, metadata={"help": "max tokens of the target"}
+    )
+    adversarial_source: Optional[str] = field(
+        default=None,
+        metadata={"help": "adversarial evaluation: give every sentence of the loaded split the "
+                          "source (or image) NAME of another sentence, by a fixed-seed "
+                          "derangement"},
+    )
+    adversarial_seed: int = field(
+        default=DEFAULT_ADVERSARIAL_SEED, metadata={"help": "seed of the derangement"}
+    )
+    dataset_impl: Optional[ChoiceEnum(indexed_dataset.get_available_dataset_impl())] = II(
+        "dataset.dataset_impl"
+    )
+
+
+@register_task("multi_source_translation", dataclass=MultiSourceTranslationConfig)
+class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
+    """Translation from n aligned sources; see the module docstring.
+
+    Attributes read by the model (``multi_source_transformer``): ``source_names``,
+    ``source_kinds`` (``"text"``/``"image"``), ``primary_index`` and ``image_channels``.
+    """
+
+    cfg: MultiSourceTranslationConfig
+
+    def __init__(self, cfg: MultiSourceTranslationConfig, dictionary: Dictionary,
+                 image_channels: Dict[str, int]):
+        super().__init__(cfg)
+        self.dictionary = dictionary
+        self.source_names, self.source_kinds, self.primary_index = _layout(cfg)
+        self.image_channels = image_channels
+
+    @classmethod
+    def setup_task(cls, cfg: MultiSourceTranslationConfig, **kwargs):
+        names, kinds, _ = _layout(cfg)
+        data = _data_dir(cfg)
+        dictionary = _joint_dictionary(data, [n for n, k in zip(names, kinds) if k == TEXT],
+                                       cfg.target_lang)
+        channels = {name: _image_channels(data, name) for name, kind in zip(names, kinds) if kind == IMAGE}
+        logger.info("sources %s -> %s, joint dictionary: %d types", ",".join(names),
+                    cfg.target_lang, len(dictionary))
+        return cls(cfg, dictionary, channels)
+
+    @property
+    def source_dictionary(self):
+        return self.dictionary
+
+    @property
+    def target_dictionary(self):
+        return self.dictionary
+
+    def max_positions(self):
+        return self.cfg.max_source_positions, self.cfg.max_target_positions
+
+    def build_model(self, cfg, from_checkpoint=False):
+        model = super().build_model(cfg, from_checkpoint)
+        if not getattr(model, "is_multi_source", False):
+            raise ValueError("--task multi_source_translation needs a multi-source model "
+                             "(--arch multi_source_transformer or one of its presets)")
+        return model
+
+    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        """Load ``split`` as one N-way dataset; every file is checked first."""
+        data = _data_dir(self.cfg)
+        target_lang = self.cfg.target_lang
+        first_text = self.source_names[self.source_kinds.index(TEXT)]
+        target_prefix = _pair_prefix(data, split, first_text, target_lang, target_lang)
+        target = self._load_text(target_prefix, f"target {target_lang}")
+        sources = []
+        for name, kind in zip(self.source_names, self.source_kinds):
+            if kind == IMAGE:
+                source, path = self._load_image(data, split, name), _npy_path(data, split, name)
+            else:
+                prefix = _pair_prefix(data, split, name, target_lang, name)
+                source, path = self._load_text(prefix, f"source {name}"), _bin_path(prefix)
+            if len(source) != len(target):
+                raise DataError(
+                    f"{path} has {len(source)} {'rows' if kind == IMAGE else 'sentences'} but the "
+                    f"target {_bin_path(target_prefix)} has {len(target)}: the files of split "
+                    f"{split!r} must be line-aligned"
+                )
+            if name == self.cfg.adversarial_source:
+                logger.info("adversarial evaluation: %s of %s deranged (seed %d)", name, split,
+                            self.cfg.adversarial_seed)
+                source = deranged(source, self.cfg.adversarial_seed)
+            sources.append(source)
+        self.datasets[split] = MultiSourceLanguagePairDataset(
+            sources, self.source_kinds, target, self.dictionary, self.primary_index,
+            left_pad_source=self.cfg.left_pad_source, left_pad_target=self.cfg.left_pad_target,
+        )
+        logger.info("%s: %d tuples", split, len(target))
+
+    def _load_text(self, prefix: str, what: str):
+        dataset = data_utils.load_indexed_dataset(prefix, self.dictionary, self.cfg.dataset_impl)
+        if dataset is None:
+            raise DataError(f"{what}: {_bin_path(prefix)} not found or unreadable")
+        return dataset
+
+    def _load_image(self, data: str, split: str, name: str) -> ImageFeatureDataset:
+        path = _npy_path(data, split, name)
+        if not os.path.isfile(path):
+            raise DataError(f"image source {name}: {path} not found")
+        dataset = ImageFeatureDataset(path)
+        if dataset.channels != self.image_channels[name]:
+            raise DataError(f"{path} has {dataset.channels} channels per position, other "
+                            f"{name} files have {self.image_channels[name]}")
+        return dataset
+
+
+def _layout(cfg):
+    """``(names, kinds, primary index)`` of ``--source-langs``, validated."""
+    names, images = _names(cfg.source_langs), _names(cfg.image_sources)
+    if not names:
+        raise ValueError("--task multi_source_translation needs --source-langs, e.g. es,fr,de,en")
+    if cfg.target_lang is None:
+        raise ValueError("--task multi_source_translation needs --target-lang")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--source-langs {cfg.source_langs} names a source twice")
+    for option, values in (("--image-sources", images), ("--adversarial-source", _names(cfg.adversarial_source)),
+                           ("--primary-source", _names(cfg.primary_source))):
+        unknown = [v for v in values if v not in names]
+        if unknown:
+            raise ValueError(f"{option} {','.join(unknown)} is not among --source-langs {cfg.source_langs}")
+    kinds = [IMAGE if name in images else TEXT for name in names]
+    if TEXT not in kinds:
+        raise ValueError("--source-langs needs at least one text source")
+    primary = cfg.primary_source or names[kinds.index(TEXT)]
+    if primary in images:
+        raise ValueError(f"--primary-source {primary} must be a text source")
+    return names, kinds, names.index(primary)
+
+
+def _data_dir(cfg) -> str:
+    if not cfg.data:
+        raise ValueError("--task multi_source_translation needs a data directory")
+    data = utils.split_paths(cfg.data)[0]
+    if not os.path.isdir(data):
+        raise DataError(f"data directory not found: {data}")
+    return data
+
+
+def _joint_dictionary(data: str, text_sources: List[str], target_lang: str) -> Dictionary:
+    """The target dictionary; every text source's must be the same (one joint dictionary)."""
+    dictionaries = {}
+    for lang in [target_lang] + text_sources:
+        path = os.path.join(data, f"dict.{lang}.txt")
+        if not os.path.isfile(path):
+            raise DataError(f"no dictionary for language {lang}: {path} not found")
+        dictionaries[path] = Dictionary.load(path)
+    target_path, target = next(iter(dictionaries.items()))
+    for path, dictionary in dictionaries.items():
+        if dictionary.symbols != target.symbols:
+            raise DataError(f"{path} differs from {target_path}: binarize every pair with one "
+                            "joint dictionary (fairseq-preprocess --srcdict D --tgtdict D)")
+    return target
+
+
+def _image_channels(data: str, name: str) -> int:
+    """Channels of image source ``name``, from any ``{split}.{name}.npy`` (all must agree)."""
+    paths = sorted(glob.glob(os.path.join(data, f"*.{name}{NPY_SUFFIX}")))
+    if not paths:
+        raise DataError(f"image source {name}: no {os.path.join(data, '{split}.' + name + NPY_SUFFIX)} file")
+    channels = {path: ImageFeatureDataset(path).channels for path in paths}
+    if len(set(channels.values())) > 1:
+        raise DataError(f"image source {name}: files with different channels {channels}")
+    return next(iter(channels.values()))
+
+
+def _pair_prefix(data: str, split: str, src: str, tgt: str, lang: str) -> str:
+    """``{split}.{src}-{tgt}.{lang}`` (or ``{tgt}-{src}``, as fairseq's translation task)."""
+    for pair in (f"{src}-{tgt}", f"{tgt}-{src}"):
+        prefix = os.path.join(data, f"{split}.{pair}.{lang}")
+        if indexed_dataset.dataset_exists(prefix, impl=None):
+            return prefix
+    raise DataError(f"{'source' if lang == src else 'target'} {lang} of split {split!r}: "
+                    f"{_bin_path(os.path.join(data, f'{split}.{src}-{tgt}.{lang}'))} not found")
+
+
+def _bin_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def _npy_path(data: str, split: str, name: str) -> str:
+    return os.path.join(data, f"{split}.{name}{NPY_SUFFIX}")

@@ -1,0 +1,522 @@
+"""Multi-source Transformer: serial, parallel, flat and hierarchical input combination
+(issue: seed 004, spec mma_multisource.md B and pitfalls M1-M16)."""
+import argparse
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from fairseq import options
+from fairseq.data import Dictionary
+from fairseq.models import ARCH_CONFIG_REGISTRY
+
+from fairseq_helpers import (
+    TINY_MODEL_ARGS,
+    USER_DIR,
+    VOCAB,
+    build_model,
+    generate,
+    hypotheses_and_references,
+    random_batch,
+    run_fairseq,
+    toy_dictionary,
+    train_args,
+)
+from mlmha_fairseq.cli import multi_source_attention
+from mlmha_fairseq.data.multi_source_dataset import DataError, derangement
+from mlmha_fairseq.models.multi_source import combination_modules
+from mlmha_fairseq.modules.input_combination import STRATEGIES, build_input_combination
+from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
+
+PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
+NORMS = pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
+D, DECODER_LAYERS, CHANNELS, POSITIONS = 16, 2, 6, 3
+SPLITS = (("train", 200), ("valid", 16), ("test", 16))
+
+
+def build_multi_source(sources, *extra, image_sources=(), dictionary=None):
+    """A tiny multi-source model and its task, built as fairseq-train builds them (the
+    task gets the toy dictionary instead of reading a data directory)."""
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "unused-data-dir", "--task", "multi_source_translation", "--user-dir", USER_DIR,
+        "--arch", "multi_source_transformer", *TINY_MODEL_ARGS, "--source-langs", ",".join(sources),
+        "--target-lang", "tgt", *(["--image-sources", ",".join(image_sources)] if image_sources else []),
+        *map(str, extra),
+    ])
+    task = MultiSourceTranslationTask(args, dictionary or toy_dictionary(),
+                                      {name: CHANNELS for name in image_sources})
+    return task.build_model(args), task
+
+
+def multi_source_batch(dictionary, kinds, batch_size=4, seed=0):
+    """One input per source (text of different lengths, left-padded; or image features)
+    and the decoder input."""
+    inputs, lengths = [], []
+    prev = None
+    for k, kind in enumerate(kinds):
+        if kind == "image":
+            gen = torch.Generator().manual_seed(seed + k)
+            inputs.append(torch.randn(batch_size, POSITIONS, CHANNELS, generator=gen))
+            lengths.append(torch.full((batch_size,), POSITIONS))
+            continue
+        src, length, batch_prev = random_batch(dictionary, batch_size, src_len=7 - 2 * (k % 2), seed=seed + k)
+        prev = batch_prev if prev is None else prev
+        inputs.append(src)
+        lengths.append(length)
+    return inputs, lengths, prev
+
+
+def forward(model, inputs, lengths, prev, primary=0):
+    return model(inputs[primary], lengths[primary], prev, multi_source_inputs=inputs,
+                 multi_source_lengths=lengths)
+
+
+def reordered(tensors, order):
+    return [t.index_select(0, order) for t in tensors]
+
+
+# --- equivalence with fairseq's transformer -------------------------------------------
+
+def renamed_state(reference, num_encoders=1, num_attentions=1):
+    """fairseq's state dict, renamed for a multi-source model: the encoder becomes encoders
+    0..num_encoders-1, each decoder layer's cross-attention becomes the combination's
+    attentions 0..num_attentions-1 and its LayerNorm the combination's LayerNorm 0."""
+    state = {}
+    for key, value in reference.state_dict().items():
+        key = key.replace(".encoder_attn_layer_norm.", ".encoder_attn.layer_norms.0.")
+        if key.startswith("encoder."):
+            state.update({key.replace("encoder.", f"encoder.encoders.{k}.", 1): value for k in range(num_encoders)})
+        elif ".encoder_attn." in key and ".layer_norms." not in key:
+            state.update({key.replace(".encoder_attn.", f".encoder_attn.attentions.{k}."): value
+                          for k in range(num_attentions)})
+        else:
+            state[key] = value
+    return state
+
+
+@pytest.mark.parametrize("strategy", ["serial", "parallel", "flat"])
+@NORMS
+def test_one_source_equals_fairseq_transformer_with_its_weights(strategy, norm):
+    dictionary = toy_dictionary()
+    reference = build_model("transformer", *norm, dictionary=dictionary).eval()
+    model, _ = build_multi_source(["src"], "--combination-strategy", strategy, *norm, dictionary=dictionary)
+    model.load_state_dict(renamed_state(reference), strict=True)
+    model.eval()
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        expected, expected_extra = reference(src, lengths, prev)
+        got, got_extra = forward(model, [src], [lengths], prev)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_extra["attn"][0], expected_extra["attn"][0], atol=1e-5, rtol=1e-5)
+
+
+def test_hierarchical_second_level_is_certain_with_one_source():
+    """B.2: with n = 1 the softmax over one context is 1 (so hierarchical is not the
+    standard decoder, but a linear map of the context)."""
+    dictionary = toy_dictionary()
+    model, _ = build_multi_source(["src"], "--combination-strategy", "hierarchical", dictionary=dictionary)
+    model.eval()
+    for module in combination_modules(model):
+        module.record_weights = True
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        forward(model, [src], [lengths], prev)
+    for module in combination_modules(model):
+        torch.testing.assert_close(module.recorded["contexts"], torch.ones(4, prev.size(1), 1))
+
+
+# --- the sublayer equations of spec B.2, written out -----------------------------------
+
+def spec_equation(module, x, memories, masks):
+    """u of spec B.2 for ``module``'s strategy, computed from its own submodules, with the
+    hierarchical second level position by position."""
+    pre = module.normalize_before
+    norm = lambda y, k=0: module.layer_norms[k](y)  # noqa: E731
+
+    def attend(attention, query, memory, mask=None):
+        return attention(query=query, key=memory, value=memory, key_padding_mask=mask)[0]
+
+    if module.strategy == "serial":
+        h = x
+        for k, (memory, mask) in enumerate(zip(memories, masks)):
+            h = h + attend(module.attentions[k], norm(h, k), memory, mask) if pre else \
+                norm(h + attend(module.attentions[k], h, memory, mask), k)
+        return h
+    q = norm(x) if pre else x
+    if module.strategy == "parallel":
+        u = x + sum(attend(a, q, m, mask) for a, m, mask in zip(module.attentions, memories, masks))
+    elif module.strategy == "flat":
+        u = x + attend(module.attentions[0], q, torch.cat(memories), torch.cat(masks, dim=1))
+    else:
+        contexts = [attend(a, q, m, mask) for a, m, mask in zip(module.attentions, memories, masks)]
+        u = x.clone()
+        for t in range(x.size(0)):
+            for b in range(x.size(1)):
+                states = torch.stack([c[t, b] for c in contexts])[:, None]  # n x 1 x C
+                u[t, b] += attend(module.hier_attention, q[t, b][None, None], states)[0, 0]
+    return u if pre else norm(u)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
+def test_sublayer_equals_the_equations_of_the_spec(strategy, pre_norm):
+    torch.manual_seed(0)
+    module = build_input_combination(strategy, D, 2, 3, D, dropout=0.1, attention_dropout=0.0,
+                                     normalize_before=pre_norm, hier_heads=4 if strategy == "hierarchical" else None)
+    module.eval()
+    with torch.no_grad():
+        for layer_norm in module.layer_norms:  # distinct LayerNorms, so that swapping them shows
+            layer_norm.weight.uniform_(0.5, 1.5), layer_norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(5, 2, D)
+    memories = [torch.randn(length, 2, D) for length in (4, 6, 3)]
+    masks = [torch.zeros(2, m.size(0), dtype=torch.bool) for m in memories]
+    masks[1][0, :2] = True  # a left-padded sentence
+    with torch.no_grad():
+        got, _ = module(x, memories, masks)
+        torch.testing.assert_close(got, spec_equation(module, x, memories, masks), atol=1e-5, rtol=1e-5)
+
+
+# --- incremental decoding, causality, reordering ------------------------------------
+
+KINDS = {"text": (["a", "b", "c"], ()), "text+image": (["a", "img"], ("img",))}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("sources", KINDS, ids=list(KINDS))
+@NORMS
+def test_incremental_decoding_matches_full_forward_with_beam_reordering(strategy, sources, norm):
+    """Step-by-step decoding with fairseq's incremental state equals the teacher-forced
+    forward pass, also after a beam-search reordering (rows repeated, dropped, permuted)."""
+    names, images = KINDS[sources]
+    model, task = build_multi_source(names, "--combination-strategy", strategy, *norm, image_sources=images)
+    model.eval()
+    inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
+    order, reorder_step = torch.tensor([2, 0, 0, 3, 1]), 2
+    with torch.no_grad():
+        before = forward(model, inputs, lengths, prev)[0]
+        after = forward(model, reordered(inputs, order), reordered(lengths, order), prev[order])[0]
+        encoder_out = model.encoder(inputs[0], lengths[0], multi_source_inputs=inputs,
+                                    multi_source_lengths=lengths)
+        state, rows = {}, prev
+        for step in range(prev.size(1)):
+            if step == reorder_step:
+                encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
+                model.decoder.reorder_incremental_state_scripting(state, order)
+                rows = prev[order]
+            out = model.decoder(rows[:, : step + 1], encoder_out=encoder_out, incremental_state=state)[0]
+            expected = (after if step >= reorder_step else before)[:, step : step + 1]
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_future_target_tokens_do_not_change_earlier_positions(strategy):
+    model, task = build_multi_source(["a", "b", "c"], "--combination-strategy", strategy)
+    model.eval()
+    inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
+    changed = prev.clone()
+    changed[:, 3:] = (changed[:, 3:] + 1 - task.dictionary.nspecial) % (
+        len(task.dictionary) - task.dictionary.nspecial) + task.dictionary.nspecial
+    with torch.no_grad():
+        original = forward(model, inputs, lengths, prev)[0]
+        modified = forward(model, inputs, lengths, changed)[0]
+    torch.testing.assert_close(modified[:, :3], original[:, :3], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(modified[:, 3:], original[:, 3:])
+
+
+def test_reordering_the_encoder_output_reorders_every_source():
+    model, task = build_multi_source(["a", "b", "img"], image_sources=("img",))
+    model.eval()
+    inputs, lengths, _ = multi_source_batch(task.dictionary, task.source_kinds)
+    order = torch.tensor([3, 1, 1, 0])
+    with torch.no_grad():
+        encoder_out = model.encoder(inputs[0], lengths[0], multi_source_inputs=inputs, multi_source_lengths=lengths)
+        expected = model.encoder(inputs[0][order], lengths[0][order], multi_source_inputs=reordered(inputs, order),
+                                 multi_source_lengths=reordered(lengths, order))
+    got = model.encoder.reorder_encoder_out(encoder_out, order)
+    for key in ("multi_source_memories", "multi_source_padding_masks", "encoder_out", "encoder_padding_mask"):
+        assert len(got[key]) == len(expected[key])
+        for got_tensor, expected_tensor in zip(got[key], expected[key]):
+            torch.testing.assert_close(got_tensor, expected_tensor)
+    assert len(got["multi_source_memories"]) == 3
+
+
+# --- parameters and options ---------------------------------------------------------
+
+def num_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_parameters_per_strategy_match_the_table_of_b2():
+    """Per decoder layer and n sources, relative to flat (one attention, one LN): serial and
+    parallel add n-1 attentions (4d^2 + 4d), serial n-1 LayerNorms (2d), hierarchical n
+    attentions (n-1 per source + 1 second level)."""
+    n, attention, layer_norm = 3, 4 * D * D + 4 * D, 2 * D
+    counts = {s: num_params(build_multi_source(["a", "b", "c"], "--combination-strategy", s)[0]) for s in STRATEGIES}
+    assert counts["parallel"] - counts["flat"] == DECODER_LAYERS * (n - 1) * attention
+    assert counts["serial"] - counts["parallel"] == DECODER_LAYERS * (n - 1) * layer_norm
+    assert counts["hierarchical"] - counts["parallel"] == DECODER_LAYERS * attention
+
+
+def test_shared_embeddings_and_image_projection():
+    separate = num_params(build_multi_source(["a", "b"])[0])
+    shared = num_params(build_multi_source(["a", "b"], "--share-encoder-embeddings")[0])
+    assert separate - shared == len(toy_dictionary()) * D
+    model, _ = build_multi_source(["a", "b", "img"], "--share-all-embeddings", image_sources=("img",))
+    text_a, text_b, image = model.encoder.encoders
+    assert text_a.embed_tokens is text_b.embed_tokens is model.decoder.embed_tokens
+    assert image.projection.weight.shape == (D, CHANNELS)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--combination-strategy", "serial", "--hier-attention-heads", "2"], "applies to"),
+    (["--combination-strategy", "hierarchical", "--hier-attention-heads", "3"], "must divide"),
+    (["--decoder-cross-attention", "multi-layer"], "claimed by several"),
+])
+def test_bad_model_options_fail_with_a_clear_message(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_multi_source(["a", "b"], *options)
+
+
+def test_hierarchical_heads_option():
+    model, _ = build_multi_source(["a", "b"], "--combination-strategy", "hierarchical", "--hier-attention-heads", "4")
+    assert all(m.hier_attention.num_heads == 4 for m in combination_modules(model))
+
+
+PRESETS = {
+    "multimodal_transformer_multi30k": dict(encoder_embed_dim=512, decoder_attention_heads=16,
+                                            decoder_ffn_embed_dim=4096, encoder_layers=6, decoder_layers=6),
+    "multi_source_transformer_europarl": dict(encoder_embed_dim=256, decoder_attention_heads=8,
+                                              decoder_ffn_embed_dim=2048, encoder_layers=4, decoder_layers=6),
+}
+
+
+@pytest.mark.parametrize("arch", PRESETS)
+def test_presets_have_the_paper_sizes_and_settings(arch):
+    args = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[arch](args)
+    for name, value in PRESETS[arch].items():
+        assert getattr(args, name) == value, name
+    assert args.encoder_attention_heads == args.decoder_attention_heads
+    assert args.combination_strategy == "serial"
+    assert args.encoder_normalize_before and args.decoder_normalize_before  # RI (M7)
+    assert args.no_scale_embedding and args.share_all_embeddings  # M11b, B.3
+    model, _ = build_multi_source(["a", "b"], "--arch", arch)  # tiny sizes, preset settings
+    assert model.decoder.layers[0].normalize_before and model.decoder.embed_scale == 1.0
+
+
+# --- adversarial evaluation ---------------------------------------------------------
+
+@pytest.mark.parametrize("size", [2, 3, 16, 1000])
+def test_derangement_has_no_fixed_point_and_is_reproducible(size):
+    permutation = derangement(size, seed=1)
+    assert sorted(permutation) == list(range(size))
+    assert not np.any(permutation == np.arange(size))
+    assert (permutation == derangement(size, seed=1)).all()
+
+
+# --- data: a tiny N-way corpus, binarized by fairseq-preprocess -----------------------
+
+def write_n_way_corpus(root, seed=0):
+    """Sources s1 (words), s2 (the same words in a second vocabulary) and image features
+    (random, [N, positions, channels]); target = the words reversed."""
+    rng = random.Random(seed)
+    text = root / "text"
+    text.mkdir()
+    for split, n in SPLITS:
+        sentences = [[rng.choice(VOCAB) for _ in range(rng.randint(3, 8))] for _ in range(n)]
+        sides = {"s1": sentences, "s2": [[w.upper() for w in s] for s in sentences],
+                 "tgt": [list(reversed(s)) for s in sentences]}
+        for side, lines in sides.items():
+            (text / f"{split}.{side}").write_text("".join(" ".join(line) + "\n" for line in lines))
+        features = np.random.RandomState(seed).randn(n, POSITIONS, CHANNELS).astype(np.float32)
+        np.save(root / f"{split}.img.npy", features)
+    return text
+
+
+def binarize(text, destdir):
+    """One joint dictionary over all training text, then one fairseq-preprocess run per
+    (source, target) pair with --srcdict/--tgtdict (as the corpus builder does)."""
+    dictionary = Dictionary()
+    for side in ("s1", "s2", "tgt"):
+        for line in (text / f"train.{side}").read_text().splitlines():
+            for word in line.split():
+                dictionary.add_symbol(word)
+    destdir.mkdir(exist_ok=True)
+    dictionary.save(str(destdir / "dict.txt"))
+    for source in ("s1", "s2"):
+        run_fairseq(
+            "preprocess", "--source-lang", source, "--target-lang", "tgt",
+            "--trainpref", text / "train", "--validpref", text / "valid", "--testpref", text / "test",
+            "--destdir", destdir, "--srcdict", destdir / "dict.txt", "--tgtdict", destdir / "dict.txt",
+            "--workers", "1",
+        )
+
+
+@pytest.fixture(scope="module")
+def n_way_bin(tmp_path_factory):
+    root = tmp_path_factory.mktemp("n_way")
+    text = write_n_way_corpus(root)
+    binarize(text, root / "bin")
+    for split, _ in SPLITS:
+        shutil.copy(root / f"{split}.img.npy", root / "bin" / f"{split}.img.npy")
+    return root / "bin"
+
+
+def setup_task(data, sources="s1,s2", *extra):
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(data), "--task", "multi_source_translation", "--user-dir", USER_DIR,
+        "--arch", "multi_source_transformer", "--source-langs", sources, "--target-lang", "tgt", *extra,
+    ])
+    return MultiSourceTranslationTask.setup_task(args)
+
+
+def test_loaded_tuples_stay_aligned(n_way_bin):
+    task = setup_task(n_way_bin, "s1,s2,img", "--image-sources", "img", "--primary-source", "s2")
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    dictionary = task.dictionary
+    batch = dataset.collater([dataset[i] for i in (0, 5, 3)])
+    s1, s2, image = batch["net_input"]["multi_source_inputs"]
+    assert batch["net_input"]["src_tokens"] is s2
+    assert image.shape == (3, POSITIONS, CHANNELS)
+    def words(tokens):
+        return dictionary.string(tokens[tokens.ne(dictionary.pad())]).split()
+
+    for row in range(3):
+        assert words(s2[row]) == [w.upper() for w in words(s1[row])]
+        assert words(batch["target"][row]) == list(reversed(words(s1[row])))
+    kept, ignored = dataset.filter_indices_by_size(np.arange(len(dataset)), (6, 1024))
+    assert len(kept) + len(ignored) == len(dataset) and ignored
+    assert all(max(dataset[i]["sources"][0].numel(), dataset[i]["sources"][1].numel()) <= 6 for i in kept)
+
+
+def test_adversarial_source_is_a_derangement_of_that_source_only(n_way_bin):
+    clean = setup_task(n_way_bin)
+    adversarial = setup_task(n_way_bin, "s1,s2", "--adversarial-source", "s1", "--adversarial-seed", "3")
+    clean.load_dataset("test"), adversarial.load_dataset("test")
+    permutation = derangement(16, seed=3)
+    for i in range(16):
+        clean_item, item = clean.dataset("test")[i], adversarial.dataset("test")[i]
+        assert torch.equal(item["sources"][0], clean.dataset("test")[int(permutation[i])]["sources"][0])
+        assert torch.equal(item["sources"][1], clean_item["sources"][1])
+        assert torch.equal(item["target"], clean_item["target"])
+
+
+def corrupted_copy(n_way_bin, tmp_path):
+    data = tmp_path / "bin"
+    shutil.copytree(n_way_bin, data)
+    return data
+
+
+def test_source_files_with_different_line_counts(n_way_bin, tmp_path):
+    data = corrupted_copy(n_way_bin, tmp_path)
+    for suffix in ("bin", "idx"):  # train's s2 side (200 lines) as the test split's (16)
+        shutil.copy(data / f"train.s2-tgt.s2.{suffix}", data / f"test.s2-tgt.s2.{suffix}")
+    task = setup_task(data)
+    with pytest.raises(DataError, match=r"test\.s2-tgt\.s2\.bin has 200 sentences .* has 16"):
+        task.load_dataset("test")
+
+
+def test_missing_language(n_way_bin, tmp_path):
+    with pytest.raises(DataError, match=r"dict\.de\.txt not found"):
+        setup_task(n_way_bin, "s1,de")
+    data = corrupted_copy(n_way_bin, tmp_path)
+    for suffix in ("bin", "idx"):
+        (data / f"valid.s2-tgt.s2.{suffix}").unlink()
+    with pytest.raises(DataError, match=r"source s2 of split 'valid': .*valid\.s2-tgt\.s2\.bin not found"):
+        setup_task(data).load_dataset("valid")
+
+
+def test_image_features_with_the_wrong_number_of_rows(n_way_bin, tmp_path):
+    data = corrupted_copy(n_way_bin, tmp_path)
+    np.save(data / "valid.img.npy", np.zeros((15, POSITIONS, CHANNELS), dtype=np.float32))
+    task = setup_task(data, "s1,img", "--image-sources", "img")
+    with pytest.raises(DataError, match=r"valid\.img\.npy has 15 rows .* has 16"):
+        task.load_dataset("valid")
+
+
+def test_training_stops_before_the_first_update_on_misaligned_data(n_way_bin, tmp_path):
+    data = corrupted_copy(n_way_bin, tmp_path)
+    np.save(data / "valid.img.npy", np.zeros((15, POSITIONS, CHANNELS), dtype=np.float32))
+    result = run_fairseq("train", *train_args(data, tmp_path / "ckpt", "multi_source_transformer",
+                                              *task_options("s1,img", "--image-sources", "img")), check=False)
+    assert result.returncode != 0
+    assert "valid.img.npy has 15 rows" in result.stderr
+    assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+# --- command-line round trips -------------------------------------------------------
+
+def task_options(sources, *extra):
+    return ["--task", "multi_source_translation", "--source-langs", sources, "--target-lang", "tgt", *extra]
+
+
+def assert_generates_the_test_set(data, checkpoint, *options):
+    output = generate(data, checkpoint, "--required-batch-size-multiple", "1", *options)
+    hypotheses, references = hypotheses_and_references(output)
+    assert len(hypotheses) == len(references) == 16
+    return output
+
+
+def test_round_trip_two_text_sources(n_way_bin, tmp_path):
+    options_ = task_options("s1,s2")
+    run_fairseq("train", *train_args(n_way_bin, tmp_path, "multi_source_transformer_europarl", *options_,
+                                     "--combination-strategy", "parallel"))
+    assert_generates_the_test_set(n_way_bin, tmp_path / "checkpoint_last.pt", *options_, "--gnmt-lenpen", "1.0")
+
+
+def test_round_trip_text_and_image_features_with_adversarial_images(n_way_bin, tmp_path):
+    options_ = task_options("s1,img", "--image-sources", "img")
+    run_fairseq("train", *train_args(n_way_bin, tmp_path, "multimodal_transformer_multi30k", *options_,
+                                     "--combination-strategy", "hierarchical"))
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    assert_generates_the_test_set(n_way_bin, checkpoint, *options_)
+    assert_generates_the_test_set(n_way_bin, checkpoint, *options_, "--adversarial-source", "img")
+    assert_attention_dump(n_way_bin, checkpoint, tmp_path / "dump")
+
+
+def assert_attention_dump(data, checkpoint, out):
+    """Per source, layers x target x source weights that sum to 1 over each source;
+    second-level weights that sum to 1 over the sources; Figure 2 means; PNG heat maps."""
+    multi_source_attention.main([str(checkpoint), "--data-bin", str(data), "--lines", "2", "5",
+                                 "--max-sentences", "8", "--output-dir", str(out)])
+    summary = json.loads((out / "attention.json").read_text())
+    assert summary["strategy"] == "hierarchical" and summary["sources"] == ["s1", "img"]
+    line = summary["lines"][1]
+    data = np.load(out / "line5.npz")
+    target, s1 = len(line["target"]), len(line["sources"]["s1"])
+    assert data["source_s1"].shape == (DECODER_LAYERS, target, s1)
+    assert data["source_img"].shape == (DECODER_LAYERS, target, POSITIONS)
+    assert data["contexts"].shape == (DECODER_LAYERS, target, 2)
+    for key in ("source_s1", "source_img", "contexts"):
+        np.testing.assert_allclose(data[key].sum(-1), 1.0, rtol=1e-5)
+    means = np.array(summary["context_weights"]["layers"])
+    assert means.shape == (DECODER_LAYERS, 2) and summary["context_weights"]["sentences"] == 8
+    np.testing.assert_allclose(means.sum(-1), 1.0, rtol=1e-5)
+    for name in ("line2.png", "line5.png", "context_weights.png", "context_weights.csv"):
+        assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("strategy, scale", [("parallel", 2.0), ("flat", 1.0)])
+def test_two_copies_of_one_source(strategy, scale):
+    """Two identical sources with identical weights: parallel sums the two contexts
+    (Eq. 4, not their mean: pitfall M8), so it equals the standard decoder with a doubled
+    cross-attention output; flat's joint softmax over duplicated keys gives the standard
+    decoder's distribution."""
+    dictionary = toy_dictionary()
+    reference = build_model("transformer", dictionary=dictionary).eval()
+    model, _ = build_multi_source(["a", "b"], "--combination-strategy", strategy, dictionary=dictionary)
+    num_attentions = 2 if strategy == "parallel" else 1
+    model.load_state_dict(renamed_state(reference, 2, num_attentions), strict=True)
+    model.eval()
+    with torch.no_grad():
+        for layer in reference.decoder.layers:
+            layer.encoder_attn.out_proj.weight.mul_(scale)
+            layer.encoder_attn.out_proj.bias.mul_(scale)
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        expected = reference(src, lengths, prev)[0]
+        got = forward(model, [src, src], [lengths, lengths], prev)[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
