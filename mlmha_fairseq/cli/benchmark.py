@@ -60,12 +60,17 @@ CONFIGURATIONS: Dict[str, Tuple[str, List[str]]] = {
     "dc encoder": ("slot_transformer", ["--dc-encoder-layers", "all"]),
     "dc decoder": ("slot_transformer", ["--dc-decoder-layers", "all"]),
     "dc full": ("slot_transformer", ["--dc-encoder-layers", "all", "--dc-decoder-layers", "all"]),
-    # multi-level supervision (thesis ch. 4, Table 4.6a): without AIF generation runs the main
-    # decoder only; with AIF the auxiliary decoders run in lock-step. Training here times the
-    # main decoder's loss only (the auxiliary losses of the joint loss are not back-propagated).
-    "MS-1": ("ms_transformer", ["--aux-decoder-layers", "1"]),
-    "MS-1 + AIF": ("ms_transformer", ["--aux-decoder-layers", "1", "--aux-fusion"]),
-    "MS-123 + AIF": ("ms_transformer", ["--aux-decoder-layers", "1,2,3", "--aux-fusion"]),
+    # multi-level supervision (thesis ch. 4, Table 4.6a), trained with the joint loss: without
+    # AIF generation runs the main decoder only; with AIF the auxiliary decoders run in lock-step.
+    **{
+        name: ("ms_transformer", ["--aux-decoder-layers", layers, *fusion,
+                                  "--criterion", "multi_decoder_label_smoothed_cross_entropy"])
+        for name, layers, fusion in (
+            ("MS-1", "1", []),
+            ("MS-1 + AIF", "1", ["--aux-fusion"]),
+            ("MS-123 + AIF", "1,2,3", ["--aux-fusion"]),
+        )
+    },
 }
 
 SIZES = {

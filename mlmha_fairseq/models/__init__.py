@@ -5,4 +5,5 @@ from . import joint_attention  # noqa: F401
 from . import mma  # noqa: F401
 from . import dual_contextual  # noqa: F401
 from . import representation_fusion  # noqa: F401
+from . import multi_level_supervision  # noqa: F401
 from . import multi_source  # noqa: F401

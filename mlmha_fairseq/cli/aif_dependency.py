@@ -1,0 +1,98 @@
+"""KL divergence between the AIF Main-Decoder and its ind-decoder (thesis §4.5.5, Fig. 4.7).
+
+Examples (the thesis' setting: 1,000 random En-Vi test sentences, MS-l + AIF models)::
+
+    python -m mlmha_fairseq.cli.aif_dependency ms1_aif.pt ms2_aif.pt ms3_aif.pt \
+        --names MS-1+AIF MS-2+AIF MS-3+AIF --data-bin data-bin/iwslt15_en_vi --split test \
+        --sample 1000 --output-prefix results/aif_dependency
+    python -m mlmha_fairseq.cli.aif_dependency ms3_aif.pt --input sentence.bpe.en --per-token
+"""
+import math
+
+from tqdm import tqdm
+
+from mlmha_fairseq.cli.dc_diversity import read_sentences, source_tokens
+from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.evaluation.aif_dependency import aif_dependency, plot_aif_dependency
+from mlmha_fairseq.evaluation.model_loading import (
+    DEFAULT_BATCH_SIZE,
+    batches,
+    left_pad_source,
+    load_model,
+)
+from mlmha_fairseq.evaluation.text_io import write_csv, write_json
+
+DEFAULT_SEED = 1
+DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B = 1.0, 20  # the authors' code: source length + 20
+
+
+def build_parser():
+    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser.add_argument("checkpoints", nargs="+",
+                        help="fairseq checkpoints of ms_transformer models with --aux-fusion")
+    parser.add_argument("--names", nargs="+", help="one name per checkpoint")
+    parser.add_argument("--data-bin", help="data directory with the dictionaries (and --split) "
+                                           "(default: the one stored in the checkpoint)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="source sentences, tokenized (and BPE-segmented unless "
+                                        "--bpe-codes)")
+    source.add_argument("--split", help="a binarized split of the data directory, e.g. test")
+    parser.add_argument("--bpe-codes", help="subword-nmt codes to apply to --input")
+    parser.add_argument("--sample", type=int, help="analyse this many random sentences "
+                                                   "(default: all; the thesis: 1000)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help="sampling seed (default: %(default)s)")
+    parser.add_argument("--max-len-a", type=float, default=DEFAULT_MAX_LEN_A,
+                        help="greedy decoding length limit a * source length + b "
+                             "(default: a = %(default)s)")
+    parser.add_argument("--max-len-b", type=int, default=DEFAULT_MAX_LEN_B,
+                        help="(default: b = %(default)s)")
+    parser.add_argument("--per-token", action="store_true",
+                        help="also write every sentence's tokens and per-token KL (Fig. 4.8)")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="sentences per batch (default: %(default)s)")
+    cli_support.add_output_prefix(parser, "aif_dependency")
+    return parser
+
+
+def token_details(accumulator, tgt_dict):
+    """Per sentence: the greedy output's tokens (EOS included) and the KL of each (Fig. 4.8)."""
+    return [{"tokens": [tgt_dict[index] for index in hypothesis], "output_kl": values}
+            for hypothesis, values in zip(accumulator.hypotheses, accumulator.token_divergences)]
+
+
+def aif_dependency_cli(parser, args) -> None:
+    names = cli_support.system_names(parser, args.checkpoints, args.names)
+    lines = read_sentences(args)
+    rows, results, models = [], {}, {}
+    for name, checkpoint in zip(names, args.checkpoints):
+        model, task = load_model(checkpoint, args.data_bin)
+        tokens = source_tokens(args, task, lines)
+        progress = tqdm(batches(tokens, task.source_dictionary, args.batch_size, left_pad_source(task)),
+                        total=math.ceil(len(tokens) / args.batch_size), desc=name)
+        accumulator = aif_dependency(model, progress, task.target_dictionary,
+                                     args.max_len_a, args.max_len_b)
+        models[name] = accumulator
+        rows.extend(dict(model=name, **row) for row in accumulator.table())
+        results[name] = {
+            "output_kl": accumulator.output_divergence(),
+            "attention_kl_per_layer": accumulator.layer_divergence().tolist(),
+            "attention_kl_per_head": accumulator.head_divergence().tolist(),
+            "sentences": len(accumulator.sentence_divergences),
+        }
+        if args.per_token:
+            results[name]["per_token"] = token_details(accumulator, task.target_dictionary)
+        print(f"{name}: KL(P_m || P_ind) {accumulator.output_divergence():.4f} | attention KL per "
+              "decoder layer " + " ".join(f"{layer}:{value:.4f}" for layer, value
+                                          in enumerate(accumulator.layer_divergence(), 1)))
+    write_csv(args.output_prefix + ".csv", rows)
+    write_json(args.output_prefix + ".json", {"log": "natural", "models": results})
+    plot_aif_dependency(models, args.output_prefix + ".png")
+
+
+def main(argv=None) -> None:
+    cli_support.run(build_parser(), aif_dependency_cli, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,379 @@
+"""Encoder-based multi-level supervision, MS-l, and AIF (thesis ch. 4; spec thesis §3).
+
+Model ``ms_transformer``: the slot Transformer (every slot option still applies) plus
+auxiliary decoders, the "extra decoders" of DESIGN.md:
+
+* ``--aux-decoder-layers 1,2``: one *Aux-Decoder l* per listed encoder layer l < L, a full
+  decoder stack of the Main-Decoder's shape (layers, d, heads, FFN, norm placement) whose
+  cross-attention memory is the output ``H_e^l`` of encoder layer l (§3.1). They share the
+  target embedding, the positional embedding and the output projection with the
+  Main-Decoder: the same Parameter objects (pitfall 9), so each one adds exactly one decoder
+  stack. Train with the criterion ``multi_decoder_label_smoothed_cross_entropy``
+  (Eq. 4.1: ``J = L_m + gamma sum_l L_{a_l}``).
+* ``--aux-fusion``: AIF (Eqs. 4.2-4.3). Every Main-Decoder layer adds
+  ``z^f = sum_i f^i W^{a_i}`` right after its masked self-attention, with ``f^i`` the final
+  hidden states of Aux-Decoder i (after its final LayerNorm in pre-norm: the features fed
+  to the shared output projection, [choice] spec §3.5(1)). Gradients flow from the
+  Main-Decoder into the auxiliary decoders (no detach, §3.4).
+* Inference: without AIF only the Main-Decoder runs (the auxiliary decoders are never
+  called in incremental decoding; ``python -m mlmha_fairseq.cli.strip_aux_decoders``
+  removes them for deployment). With AIF they run incrementally in lock-step on the main
+  beam's prefixes; they are submodules of ``model.decoder``, so fairseq's generator
+  reorders their caches with the main beam (pitfall 10). ``--decode-from aux:l`` decodes
+  with Aux-Decoder l alone (thesis Table 4.7); ``--zero-aif`` is the "ind-decoder" of
+  §4.5.5 (all ``W^{a}`` = 0, which equals skipping the fusion).
+
+Where the pieces live: the auxiliary decoders are submodules of the Main-Decoder
+(``decoder.aux_decoders.<i>``), so the Main-Decoder keeps fairseq's parameter names and a
+stripped MS-l checkpoint is a plain slot-Transformer state dict; their memories come from
+the encoder memory slot (``encoder_out["aux_memories"]``, collected also at generation time,
+where fairseq calls the encoder without ``return_all_hiddens``, pitfall 1).
+
+Readings [choice]: pre-norm encoder states below the top are not normalised in fairseq
+(pitfall 2), so in pre-norm each auxiliary memory passes through its own LayerNorm, as the
+authors' code does for its taps (spec §3.1, §3.5(3)); post-norm states are used as they
+are. The auxiliary decoders are fairseq's standard decoder stacks: the decoder slots
+(self-/cross-attention fillers, output fusion) apply to the Main-Decoder only.
+
+Presets: ``ms_transformer`` (MS-1, base size), ``ms_transformer_iwslt`` (small 4+4, MS-3 +
+AIF) and ``ms_transformer_wmt_en_de`` (base 6+6, MS-1 + AIF).
+"""
+import re
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase
+from fairseq.modules import LayerNorm
+from fairseq.utils import safe_getattr
+
+from ..modules.auxiliary_information_fusion import AuxiliaryInformationFusion
+from .presets import thesis_base, thesis_small
+from .slot_transformer import (
+    SlotTransformerDecoder,
+    SlotTransformerDecoderLayer,
+    SlotTransformerModel,
+    _next_layer_index,
+    slot_transformer,
+    wrap_layer,
+)
+from .slots import ENCODER_MEMORY
+
+AUX_MEMORIES = "aux_memories"  # K x T x B x C: H_e^l of each auxiliary decoder, in order
+AUX_STATES = "aux_states"  # extra entry while decoding: each aux decoder's (features, extra)
+AUX_OUT = "aux_out"  # extra entry of a full forward: each aux decoder's (logits, extra)
+AUX_LAYERS = "aux_layers"  # extra entry of a full forward: the encoder layer of each aux decoder
+NO_AUX = "none"
+MAIN = "main"
+DECODE_FROM_AUX = re.compile(r"aux:(\d+)")
+
+
+def add_args(parser):
+    """Options of multi-level supervision (fairseq passes its model argument group)."""
+    parser.add_argument("--aux-decoder-layers", metavar="L1,L2,...",
+                        help="attach an auxiliary decoder to each of these encoder layers "
+                             "(1-based, each < the number of encoder layers; 'none' for "
+                             "none), e.g. 1 (MS-1) or 1,2,3 (MS-123)")
+    parser.add_argument("--aux-fusion", action="store_true",
+                        help="AIF: add the auxiliary decoders' final states to every "
+                             "main-decoder layer after its self-attention (one bias-free "
+                             "d x d matrix per layer and auxiliary decoder)")
+    parser.add_argument("--no-aux-fusion", dest="aux_fusion", action="store_false",
+                        help="no AIF (to switch off a preset's --aux-fusion)")
+    parser.add_argument("--aux-fusion-dropout", type=float, metavar="P",
+                        help="dropout on the fused vector z^f (default 0: none, as in the thesis)")
+    parser.add_argument("--zero-aif", action="store_true",
+                        help="analysis: the 'ind-decoder', AIF weights taken as zero (thesis "
+                             "§4.5.5), e.g. fairseq-generate --model-overrides \"{'zero_aif': True}\"")
+    parser.add_argument("--decode-from", metavar="main|aux:L",
+                        help="inference: produce the output with the main decoder (default) or "
+                             "with the auxiliary decoder of encoder layer L alone (thesis Table "
+                             "4.7), e.g. fairseq-generate --model-overrides \"{'decode_from': 'aux:1'}\"")
+
+
+def set_defaults(args):
+    args.aux_decoder_layers = getattr(args, "aux_decoder_layers", "1")
+    args.aux_fusion = getattr(args, "aux_fusion", False)
+    args.aux_fusion_dropout = getattr(args, "aux_fusion_dropout", 0.0)
+    args.zero_aif = getattr(args, "zero_aif", False)
+    args.decode_from = getattr(args, "decode_from", MAIN)
+
+
+def aux_layers(cfg) -> List[int]:
+    """The encoder layers (1-based, ascending) that feed an auxiliary decoder, validated."""
+    spec = safe_getattr(cfg, "aux_decoder_layers")
+    if spec is None or str(spec).strip().lower() in (NO_AUX, ""):
+        return []
+    num_layers = cfg.encoder.layers
+    try:
+        layers = [int(token) for token in str(spec).split(",")]
+    except ValueError:
+        raise ValueError(f"--aux-decoder-layers {spec!r}: expected comma-separated encoder "
+                         "layer numbers, e.g. 1,2") from None
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"--aux-decoder-layers {spec}: a layer is listed twice")
+    for layer in layers:
+        if not 1 <= layer < num_layers:
+            raise ValueError(f"--aux-decoder-layers {spec}: auxiliary decoders attach to encoder "
+                             f"layers 1..{num_layers - 1} (layer {num_layers} feeds the main decoder)")
+    return sorted(layers)
+
+
+def _fusion_inputs(cfg) -> int:
+    """Number of auxiliary decoders fused by AIF into each main-decoder layer (0: no AIF)."""
+    if not safe_getattr(cfg, "aux_fusion", False):
+        return 0
+    layers = aux_layers(cfg)
+    if not layers:
+        raise ValueError("--aux-fusion needs auxiliary decoders (--aux-decoder-layers)")
+    return len(layers)
+
+
+def _decode_from(cfg, layers: List[int]) -> Optional[int]:
+    """Index of the auxiliary decoder named by --decode-from aux:L, or None for main."""
+    spec = safe_getattr(cfg, "decode_from") or MAIN
+    if spec == MAIN:
+        return None
+    match = DECODE_FROM_AUX.fullmatch(spec)
+    if match is None or int(match.group(1)) not in layers:
+        choices = ", ".join([MAIN] + [f"aux:{layer}" for layer in layers])
+        raise ValueError(f"--decode-from {spec}: choose one of {choices}")
+    return layers.index(int(match.group(1)))
+
+
+class AuxiliaryMemories(nn.Module):
+    """Encoder memory slot: the memory ``H_e^l`` of every auxiliary decoder (spec §3.1),
+    stacked as ``K x T x B x C`` under ``encoder_out["aux_memories"]``, so that fairseq's
+    beam search reorders it with the rest of ``encoder_out``.
+
+    Pre-norm: one own LayerNorm per auxiliary decoder (fairseq's lower encoder states are
+    not normalised); post-norm: the states as they are.
+    """
+
+    output_keys = (AUX_MEMORIES,)
+
+    def __init__(self, layers: List[int], embed_dim: int, normalize_before: bool):
+        super().__init__()
+        self.layers = layers
+        self.aux_layer_norms = (
+            nn.ModuleList(LayerNorm(embed_dim) for _ in layers) if normalize_before else None
+        )
+
+    def forward(self, encoder_out: Dict[str, List[Tensor]]) -> Dict[str, List[Tensor]]:
+        states = encoder_out["encoder_states"]  # [embedding, layer 1..L], each T x B x C
+        memories = [states[layer] for layer in self.layers]
+        if self.aux_layer_norms is not None:
+            memories = [norm(memory) for norm, memory in zip(self.aux_layer_norms, memories)]
+        return {AUX_MEMORIES: [torch.stack(memories)]}
+
+
+@ENCODER_MEMORY.register(AUX_MEMORIES)
+def build_aux_memories(cfg, num_layers):
+    layers = aux_layers(cfg)
+    if not layers:
+        return None
+    return AuxiliaryMemories(layers, cfg.encoder.embed_dim, cfg.encoder.normalize_before)
+
+
+class AIFDecoderLayer(SlotTransformerDecoderLayer):
+    """A Main-Decoder layer with AIF: ``h^ <- h^ + z^f`` right after the masked
+    self-attention sublayer (Eq. 4.3; pitfall 15), then cross-attention and FFN as usual.
+
+    fairseq's layer has no hook between its sublayers, so the addition rides on the two
+    places every forward passes once, right after the self-attention block: post-norm, the
+    output of ``self_attn_layer_norm`` (``S_d^l``); pre-norm, the first residual connection
+    (the residual stream, before ``encoder_attn_layer_norm``). The decoder sets
+    ``aux_features`` (``[f^1; ...; f^n]``, T x B x nC) before each forward; None: no fusion.
+    """
+
+    def __init__(self, cfg, layer_idx: int, num_aux: int, no_encoder_attn: bool = False):
+        super().__init__(cfg, layer_idx, no_encoder_attn=no_encoder_attn)
+        dropout = safe_getattr(cfg, "aux_fusion_dropout", 0.0) or 0.0
+        self.aux_fusion = AuxiliaryInformationFusion(self.embed_dim, num_aux, dropout)
+        self.aux_features: Optional[Tensor] = None
+        self._fusion_pending = False
+        if not self.normalize_before:
+            self.self_attn_layer_norm.register_forward_hook(self._fuse_after_layer_norm)
+
+    def forward(self, x, *args, **kwargs):
+        self._fusion_pending = self.aux_features is not None
+        return super().forward(x, *args, **kwargs)
+
+    def residual_connection(self, x, residual):
+        x = super().residual_connection(x, residual)
+        if self.normalize_before and self._fusion_pending:  # first call: after self-attention
+            x = self._fuse(x)
+        return x
+
+    def _fuse_after_layer_norm(self, _module, _inputs, output):
+        return self._fuse(output) if self._fusion_pending else None
+
+    def _fuse(self, x: Tensor) -> Tensor:
+        self._fusion_pending = False
+        return x + self.aux_fusion(self.aux_features)
+
+
+class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
+    """The Main-Decoder (the slot decoder) holding the auxiliary decoders as submodules.
+
+    ``forward`` returns the Main-Decoder's ``(logits, extra)``. A full (teacher-forced)
+    forward also runs every auxiliary decoder on the same prefix and adds
+    ``extra["aux_out"]``: one ``(logits B x T x V, extra)`` per auxiliary decoder, and
+    ``extra["aux_layers"]``, their encoder layers, for the joint loss. Incremental decoding
+    runs the auxiliary decoders only for AIF, in lock-step with the Main-Decoder.
+    """
+
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
+        self.aux_layers = aux_layers(cfg)
+        self._check_compatible(cfg, no_encoder_attn)
+        self.aux_decoders = nn.ModuleList(
+            self._build_aux_decoder(cfg, dictionary, embed_tokens) for _ in self.aux_layers
+        )
+        self.aux_fusion = _fusion_inputs(cfg) > 0
+        self.zero_aif = bool(safe_getattr(cfg, "zero_aif", False))
+        self.decode_from = _decode_from(cfg, self.aux_layers)
+
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        num_aux = _fusion_inputs(cfg)
+        if not num_aux:
+            return super().build_decoder_layer(cfg, no_encoder_attn)
+        layer = AIFDecoderLayer(cfg, _next_layer_index(self), num_aux, no_encoder_attn)
+        return wrap_layer(layer, cfg)
+
+    def _check_compatible(self, cfg, no_encoder_attn: bool):
+        if safe_getattr(cfg, "zero_aif", False) and not _fusion_inputs(cfg):
+            raise ValueError("--zero-aif needs --aux-fusion")
+        if not self.aux_layers:
+            return
+        if no_encoder_attn:
+            raise ValueError("auxiliary decoders attend to encoder layers: they cannot be "
+                             "used with --no-cross-attention")
+        if self.adaptive_softmax is not None:
+            raise ValueError("auxiliary decoders share the output projection, which "
+                             "--adaptive-softmax-cutoff replaces: use a plain softmax")
+        if _fusion_inputs(cfg) and self.output_embed_dim != self.embed_dim:
+            raise ValueError("--aux-fusion needs --decoder-output-dim == --decoder-embed-dim")
+
+    def _build_aux_decoder(self, cfg, dictionary, embed_tokens) -> TransformerDecoderBase:
+        """A decoder stack of the Main-Decoder's shape sharing its embeddings and output
+        projection (the same modules, hence the same Parameter objects)."""
+        decoder = TransformerDecoderBase(
+            cfg, dictionary, embed_tokens, output_projection=self.output_projection
+        )
+        decoder.embed_positions = self.embed_positions
+        return decoder
+
+    @property
+    def fuses(self) -> bool:
+        """Whether the Main-Decoder adds the auxiliary decoders' states (AIF, not zeroed)."""
+        return self.aux_fusion and not self.zero_aif
+
+    def aux_encoder_out(self, encoder_out: Dict[str, List[Tensor]], index: int):
+        """``encoder_out`` as auxiliary decoder ``index`` sees it: its encoder layer's
+        states in place of the top layer (same padding mask)."""
+        if AUX_MEMORIES not in encoder_out:
+            raise KeyError("the auxiliary decoders need encoder_out['aux_memories'], which "
+                           "this encoder does not produce")
+        return {**encoder_out, "encoder_out": [encoder_out[AUX_MEMORIES][0][index]]}
+
+    def forward(self, prev_output_tokens, encoder_out=None, incremental_state=None,
+                features_only: bool = False, **kwargs):
+        if self.decode_from is not None:
+            return self.aux_decoders[self.decode_from](
+                prev_output_tokens, encoder_out=self.aux_encoder_out(encoder_out, self.decode_from),
+                incremental_state=incremental_state, features_only=features_only, **kwargs,
+            )
+        x, extra = super().forward(prev_output_tokens, encoder_out, incremental_state,
+                                   features_only, **kwargs)
+        aux_states = extra.pop(AUX_STATES, [])
+        if incremental_state is None and not features_only:
+            extra[AUX_OUT] = [(self.output_layer(features), aux_extra)
+                              for features, aux_extra in aux_states]
+            extra[AUX_LAYERS] = list(self.aux_layers)
+        return x, extra
+
+    def extract_features(
+        self,
+        prev_output_tokens,
+        encoder_out: Optional[Dict[str, List[Tensor]]],
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        full_context_alignment: bool = False,
+        alignment_layer: Optional[int] = None,
+        alignment_heads: Optional[int] = None,
+    ):
+        """The Main-Decoder's features (B x T x C); the auxiliary decoders run first when
+        needed: always in a full forward (supervision), while decoding only for AIF."""
+        aux_states = []
+        if self.aux_decoders and (incremental_state is None or self.fuses):
+            aux_states = [
+                aux.extract_features(prev_output_tokens, self.aux_encoder_out(encoder_out, index),
+                                     incremental_state)
+                for index, aux in enumerate(self.aux_decoders)
+            ]
+        if self.aux_fusion:
+            # F^a = [f^1; ...; f^n]: each aux decoder's B x T x C features -> T x B x nC
+            fused = torch.cat([f for f, _ in aux_states], dim=-1).transpose(0, 1) if self.fuses else None
+            for layer in self.layers:
+                layer.aux_features = fused
+        x, extra = super().extract_features(
+            prev_output_tokens, encoder_out, incremental_state, full_context_alignment,
+            alignment_layer, alignment_heads,
+        )
+        extra[AUX_STATES] = aux_states
+        return x, extra
+
+
+@register_model("ms_transformer")
+class MultiLevelSupervisionModel(SlotTransformerModel):
+    """The slot Transformer with encoder-based multi-level supervision (Ampomah, thesis
+    ch. 4): auxiliary decoders on lower encoder layers, optional AIF; see
+    :mod:`mlmha_fairseq.models.multi_level_supervision`."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        add_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        ms_transformer(args)  # complete options of checkpoints written by older versions
+        return super().build_model(args, task)
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(cfg)
+        return MultiLevelSupervisionDecoder(
+            cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
+        )
+
+
+@register_model_architecture("ms_transformer", "ms_transformer")
+def ms_transformer(args):
+    """MS-1 without AIF (the thesis' recommendation without AIF: one auxiliary decoder on a
+    low layer, ch. 6) on fairseq's base Transformer."""
+    set_defaults(args)
+    slot_transformer(args)
+
+
+@register_model_architecture("ms_transformer", "ms_transformer_iwslt")
+def ms_transformer_iwslt(args):
+    """MS-3 + AIF on the small IWSLT Transformer (4+4, d=256): the thesis' best IWSLT
+    setting (Tables 4.1, 4.3). [choice] The auxiliary decoder sits on layer L-1, i.e. layer
+    3 of the preset's 4-layer encoder, also when --encoder-layers changes the depth."""
+    thesis_small(args)  # first: the auxiliary layer depends on the encoder depth
+    args.aux_decoder_layers = getattr(args, "aux_decoder_layers", str(args.encoder_layers - 1))
+    args.aux_fusion = getattr(args, "aux_fusion", True)
+    ms_transformer(args)
+
+
+@register_model_architecture("ms_transformer", "ms_transformer_wmt_en_de")
+def ms_transformer_wmt_en_de(args):
+    """MS-1 + AIF on the base Transformer (6+6, d=512): the thesis' best WMT'14 En-De model
+    (Table 4.4, 29.32)."""
+    thesis_base(args)
+    args.aux_decoder_layers = getattr(args, "aux_decoder_layers", "1")
+    args.aux_fusion = getattr(args, "aux_fusion", True)
+    ms_transformer(args)

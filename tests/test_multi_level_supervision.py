@@ -1,0 +1,424 @@
+"""Encoder-based multi-level supervision: auxiliary decoders, the joint loss, AIF (thesis ch. 4)."""
+import json
+import math
+import re
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    label_smoothed_nll_loss,
+)
+from fairseq.sequence_generator import SequenceGenerator
+
+from fairseq_helpers import (
+    assert_incremental_matches_full,
+    build_model,
+    random_batch,
+    run_fairseq,
+    toy_dictionary,
+    train_args,
+)
+from test_distributed import assert_ranks_identical_after_training
+
+from mlmha_fairseq.cli import aif_dependency as aif_dependency_cli
+from mlmha_fairseq.cli import strip_aux_decoders
+from mlmha_fairseq.criterions.multi_decoder_label_smoothed_cross_entropy import (
+    MultiDecoderLabelSmoothedCrossEntropyCriterion,
+)
+from mlmha_fairseq.evaluation.aif_dependency import aif_dependency, kl_divergence
+from mlmha_fairseq.evaluation.model_loading import batches
+
+PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
+NORMS = pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
+D, FFN, DECODER_LAYERS = 16, 32, 2  # tests/fairseq_helpers.TINY_MODEL_ARGS
+EPSILON = 0.1
+CRITERION = ["--criterion", "multi_decoder_label_smoothed_cross_entropy", "--label-smoothing", str(EPSILON)]
+
+
+def ms(layers="1", *extra):
+    return ["--aux-decoder-layers", layers, *extra]
+
+
+def num_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def decoder_stack_params(pre_norm: bool) -> int:
+    """One fairseq decoder stack without embeddings: per layer self- and cross-attention
+    (4 d x d projections with biases each), FFN, 3 LayerNorms; pre-norm adds the final
+    LayerNorm and the auxiliary memory's LayerNorm."""
+    attention = 4 * (D * D + D)
+    per_layer = 2 * attention + (D * FFN + FFN) + (FFN * D + D) + 3 * 2 * D
+    return DECODER_LAYERS * per_layer + (2 * 2 * D if pre_norm else 0)
+
+
+class Task:
+    def __init__(self, dictionary):
+        self.target_dictionary = dictionary
+
+
+def toy_sample(dictionary, seed=0):
+    src, lengths, prev = random_batch(dictionary, seed=seed)
+    target = torch.cat([prev[:, 1:], torch.full((prev.size(0), 1), dictionary.eos())], dim=1)
+    target[0, -2:] = dictionary.pad()  # some padding in the targets
+    return {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
+            "target": target, "ntokens": int(target.ne(dictionary.pad()).sum())}
+
+
+def criterion(dictionary, gamma):
+    return MultiDecoderLabelSmoothedCrossEntropyCriterion(Task(dictionary), False, EPSILON,
+                                                          aux_loss_weight=gamma)
+
+
+@NORMS
+def test_without_auxiliary_decoders_the_model_is_the_slot_transformer(norm):
+    dictionary = toy_dictionary()
+    reference = build_model("slot_transformer", *norm, dictionary=dictionary).eval()
+    model = build_model("ms_transformer", *ms("none"), *norm, dictionary=dictionary).eval()
+    model.load_state_dict(reference.state_dict(), strict=True)
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        torch.testing.assert_close(model(src, lengths, prev)[0], reference(src, lengths, prev)[0])
+
+
+# --- the joint loss (Eq. 4.1) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+def test_joint_loss_is_main_plus_gamma_times_auxiliary_losses(gamma):
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2"), dictionary=dictionary).eval()
+    sample = toy_sample(dictionary)
+    loss, sample_size, logs = criterion(dictionary, gamma)(model, sample)
+    with torch.no_grad():
+        logits, extra = model(**sample["net_input"])
+        decoders = [logits] + [aux_logits for aux_logits, _ in extra["aux_out"]]
+        losses = [label_smoothed_nll_loss(torch.log_softmax(x, -1).view(-1, x.size(-1)),
+                                          sample["target"].view(-1), EPSILON,
+                                          ignore_index=dictionary.pad())[0] for x in decoders]
+    torch.testing.assert_close(loss.detach(), losses[0] + gamma * (losses[1] + losses[2]))
+    assert sample_size == sample["ntokens"]
+    torch.testing.assert_close(logs["loss"], losses[0])  # checkpoint selection: the main decoder
+    torch.testing.assert_close(logs["aux1_loss"], losses[1])
+    torch.testing.assert_close(logs["aux2_loss"], losses[2])
+    torch.testing.assert_close(logs["joint_loss"], loss.detach())
+    assert not torch.allclose(losses[0], losses[1])
+
+
+def test_gamma_zero_equals_fairseq_label_smoothed_cross_entropy():
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1"), "--aux-fusion", dictionary=dictionary).eval()
+    sample = toy_sample(dictionary)
+    ours = criterion(dictionary, 0.0)(model, sample)
+    fairseqs = LabelSmoothedCrossEntropyCriterion(Task(dictionary), False, EPSILON)(model, sample)
+    torch.testing.assert_close(ours[0], fairseqs[0])
+    assert ours[1] == fairseqs[1]
+    for key in ("loss", "nll_loss", "ntokens", "nsentences", "sample_size"):
+        assert ours[2][key] == fairseqs[2][key], key
+
+
+@pytest.mark.parametrize("fusion", [[], ["--aux-fusion"]], ids=["MS-12", "MS-12+AIF"])
+def test_every_parameter_gets_a_gradient_from_the_joint_loss(fusion):
+    """The condition for DDP without find_unused_parameters (pitfall 16)."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2", *fusion), dictionary=dictionary)
+    loss, _, _ = criterion(dictionary, 1.0)(model, toy_sample(dictionary))
+    loss.backward()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == []
+
+
+@pytest.mark.parametrize("fusion, flows", [([], False), (["--aux-fusion"], True)],
+                         ids=["MS-1", "MS-1+AIF"])
+def test_main_loss_reaches_the_auxiliary_decoders_only_through_aif(fusion, flows):
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1", *fusion), dictionary=dictionary)
+    loss, _, _ = criterion(dictionary, 0.0)(model, toy_sample(dictionary))
+    loss.backward()
+    reached = [p.grad is not None and bool(p.grad.any()) for p in model.decoder.aux_decoders[0].layers.parameters()]
+    assert all(reached) if flows else not any(reached)  # gamma = 0: zero gradients without AIF
+
+
+# --- AIF --------------------------------------------------------------------------------------
+
+@NORMS
+def test_aif_with_zero_fusion_matrices_equals_the_model_without_aif(norm):
+    dictionary = toy_dictionary()
+    aif = build_model("ms_transformer", *ms("1,2", "--aux-fusion"), *norm, dictionary=dictionary).eval()
+    plain = build_model("ms_transformer", *ms("1,2"), *norm, dictionary=dictionary).eval()
+    plain.load_state_dict({k: v for k, v in aif.state_dict().items() if ".aux_fusion." not in k})
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        fused, _ = aif(src, lengths, prev)
+        expected, expected_extra = plain(src, lengths, prev)
+        assert not torch.allclose(fused, expected, atol=1e-4)  # AIF does change the output
+        for layer in aif.decoder.layers:
+            layer.aux_fusion.proj.weight.zero_()
+        got, extra = aif(src, lengths, prev)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for (aux, _), (expected_aux, _) in zip(extra["aux_out"], expected_extra["aux_out"]):
+        torch.testing.assert_close(aux, expected_aux, atol=1e-5, rtol=1e-5)
+
+
+def test_zero_aif_option_is_the_ind_decoder():
+    dictionary = toy_dictionary()
+    aif = build_model("ms_transformer", *ms("1", "--aux-fusion"), dictionary=dictionary).eval()
+    ind = build_model("ms_transformer", *ms("1", "--aux-fusion", "--zero-aif"), dictionary=dictionary).eval()
+    ind.load_state_dict(aif.state_dict())
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        for layer in aif.decoder.layers:
+            layer.aux_fusion.proj.weight.zero_()
+        torch.testing.assert_close(ind(src, lengths, prev)[0], aif(src, lengths, prev)[0])
+
+
+def test_fusion_is_the_sum_over_auxiliary_decoders_of_f_times_w():
+    """Eq. 4.2 with two auxiliary decoders: z^f = f^1 W^{a_1} + f^2 W^{a_2}."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2", "--aux-fusion"), dictionary=dictionary).eval()
+    fusion = model.decoder.layers[0].aux_fusion
+    f1, f2 = torch.randn(5, 3, D), torch.randn(5, 3, D)
+    w1, w2 = fusion.weights()
+    torch.testing.assert_close(fusion(torch.cat([f1, f2], dim=-1)), f1 @ w1 + f2 @ w2)
+
+
+# --- inference --------------------------------------------------------------------------------
+
+@NORMS
+@pytest.mark.parametrize("options", [ms("1"), ms("2", "--aux-fusion"), ms("1,2", "--aux-fusion"),
+                                     ms("1,2", "--decode-from", "aux:2")],
+                         ids=["MS-1", "MS-2+AIF", "MS-12+AIF", "decode-from-aux"])
+def test_incremental_decoding_matches_full_forward(options, norm):
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *options, *norm, dictionary=dictionary)
+    assert_incremental_matches_full(model, dictionary)
+
+
+@NORMS
+def test_auxiliary_memories_are_the_chosen_encoder_layers_also_at_generation(norm):
+    """fairseq's generator calls the encoder without return_all_hiddens (pitfall 1)."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2", "--aux-fusion"), *norm, dictionary=dictionary).eval()
+    src, lengths, _ = random_batch(dictionary)
+    with torch.no_grad():
+        memories = model.encoder.forward_torchscript({"src_tokens": src, "src_lengths": lengths})["aux_memories"][0]
+        states = model.encoder(src, src_lengths=lengths, return_all_hiddens=True)["encoder_states"]
+    assert memories.shape[0] == 2
+    norms = model.encoder.memories["aux_memories"].aux_layer_norms or [torch.nn.Identity()] * 2
+    for index, layer in enumerate((1, 2)):
+        torch.testing.assert_close(memories[index], norms[index](states[layer]))
+
+
+@pytest.mark.parametrize("other", [["--decoder-cross-attention", "multi-layer"], ["--layer-aggregation", "s-agg"],
+                                   ["--mlrf-decoder-fusion", "fnn"]], ids=["MLMHA", "S-Agg", "MLRF"])
+def test_auxiliary_supervision_composes_with_other_mechanisms(other):
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1", "--aux-fusion"), *other, dictionary=dictionary)
+    assert set(model.encoder.memories) >= {"aux_memories"} and len(model.encoder.memories) <= 2
+    assert_incremental_matches_full(model, dictionary)
+
+
+def count_aux_decoder_layer_calls(model):
+    calls = []
+    for aux in model.decoder.aux_decoders:
+        for layer in aux.layers:
+            layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("fusion", [[], ["--aux-fusion"]], ids=["MS-12", "MS-12+AIF"])
+def test_generation_runs_the_auxiliary_decoders_only_with_aif(fusion):
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2", *fusion), dictionary=dictionary).eval()
+    calls = count_aux_decoder_layer_calls(model)
+    src, lengths, _ = random_batch(dictionary)
+    generator = SequenceGenerator([model], dictionary, beam_size=2, max_len_b=5, min_len=5)
+    with torch.no_grad():
+        hypotheses = generator.generate([model], {"net_input": {"src_tokens": src, "src_lengths": lengths}})
+    assert all(len(h[0]["tokens"]) == 6 for h in hypotheses)
+    steps = 6  # 5 tokens + EOS, one decoder call each
+    assert len(calls) == (steps * 2 * DECODER_LAYERS if fusion else 0)  # 2 auxiliary decoders
+
+
+def test_decode_from_an_auxiliary_decoder_gives_its_output():
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2", "--aux-fusion"), dictionary=dictionary).eval()
+    aux2 = build_model("ms_transformer", *ms("1,2", "--aux-fusion", "--decode-from", "aux:2"),
+                       dictionary=dictionary).eval()
+    aux2.load_state_dict(model.state_dict())
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        expected = model(src, lengths, prev)[1]["aux_out"][1][0]
+        torch.testing.assert_close(aux2(src, lengths, prev)[0], expected)
+
+
+# --- parameters and sharing (thesis §3.1, §3.4) ----------------------------------------------
+
+@NORMS
+@pytest.mark.parametrize("layers", ["1", "1,2"])
+def test_each_auxiliary_decoder_adds_one_decoder_stack_and_aif_adds_l_d_squared(layers, norm):
+    num_aux = len(layers.split(","))
+    baseline = num_params(build_model("slot_transformer", *norm))
+    plain = num_params(build_model("ms_transformer", *ms(layers), *norm))
+    fused = num_params(build_model("ms_transformer", *ms(layers, "--aux-fusion"), *norm))
+    assert plain - baseline == num_aux * decoder_stack_params(bool(norm))
+    assert fused - plain == num_aux * DECODER_LAYERS * D * D
+
+
+def test_thesis_small_model_parameter_counts():
+    """Spec §14: an auxiliary decoder of the small model adds 4,205,568 parameters with the
+    thesis' bias-free attention (+ fairseq's 8d attention biases per layer here), AIF adds
+    4 x 256^2 = 262,144 per auxiliary decoder."""
+    dictionary = toy_dictionary([f"w{i}" for i in range(100)])
+    sizes = ["--encoder-layers", "4", "--decoder-layers", "4", "--encoder-embed-dim", "256",
+             "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
+             "--decoder-ffn-embed-dim", "1024", "--encoder-attention-heads", "4",
+             "--decoder-attention-heads", "4"]
+    baseline = num_params(build_model("slot_transformer", *sizes, "--share-all-embeddings", dictionary=dictionary))
+    model = build_model("ms_transformer_iwslt", *sizes, dictionary=dictionary)
+    assert model.decoder.aux_layers == [3] and model.decoder.aux_fusion
+    assert num_params(model) - baseline == 4_205_568 + 4 * 8 * 256 + 262_144
+
+
+@pytest.mark.parametrize("share", [["--share-decoder-input-output-embed"], ["--share-all-embeddings"], []])
+def test_auxiliary_decoders_share_embeddings_and_output_projection(share):
+    model = build_model("ms_transformer", *ms("1,2"), *share)
+    main = model.decoder
+    for aux in main.aux_decoders:
+        assert aux.embed_tokens.weight is main.embed_tokens.weight
+        assert aux.output_projection.weight is main.output_projection.weight
+        assert aux.embed_positions is main.embed_positions
+        assert aux.layers[0].self_attn.q_proj.weight is not main.layers[0].self_attn.q_proj.weight
+    if share == ["--share-all-embeddings"]:
+        assert model.encoder.embed_tokens.weight is main.aux_decoders[0].output_projection.weight
+
+
+def test_presets():
+    iwslt = build_model("ms_transformer_iwslt")  # tiny sizes: a 3-layer encoder -> layer L-1 = 2
+    assert iwslt.decoder.aux_layers == [2] and iwslt.decoder.aux_fusion
+    wmt = build_model("ms_transformer_wmt_en_de")
+    assert wmt.decoder.aux_layers == [1] and wmt.decoder.aux_fusion
+    plain = build_model("ms_transformer_iwslt", "--no-aux-fusion")
+    assert not plain.decoder.aux_fusion and not hasattr(plain.decoder.layers[0], "aux_fusion")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (ms("3"), r"attach to encoder layers 1\.\.2 \(layer 3 feeds the main decoder\)"),
+        (ms("0"), "attach to encoder layers 1..2"),
+        (ms("1,1"), "listed twice"),
+        (ms("one"), "expected comma-separated encoder layer numbers"),
+        (ms("none", "--aux-fusion"), "--aux-fusion needs auxiliary decoders"),
+        (ms("1", "--zero-aif"), "--zero-aif needs --aux-fusion"),
+        (ms("1", "--decode-from", "aux:2"), "choose one of main, aux:1"),
+        (ms("1", "--decode-from", "aux"), "choose one of main, aux:1"),
+    ],
+)
+def test_bad_configurations_are_refused_with_a_clear_message(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_model("ms_transformer", *options)
+
+
+# --- command line: training, strip, analysis, distributed -------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(data_bin, tmp_path_factory):
+    """Checkpoints of MS-1 and MS-1+AIF after a few updates with the joint loss."""
+    root = tmp_path_factory.mktemp("ms")
+    logs = {}
+    for name, fusion in (("ms1", []), ("ms1_aif", ["--aux-fusion"])):
+        result = run_fairseq("train", *train_args(data_bin, root / name, "ms_transformer",
+                                                  *ms("1", *fusion), *CRITERION))
+        logs[name] = result.stdout + result.stderr
+    return root, logs
+
+
+def test_training_logs_main_auxiliary_and_joint_losses(trained):
+    _, logs = trained
+    valid = [line for line in logs["ms1"].splitlines() if "| valid on" in line]
+    assert valid and all(key in valid[-1] for key in ("| loss ", "| aux1_loss ", "| aux1_nll_loss ",
+                                                        "| joint_loss "))
+    main = float(re.search(r"\| loss ([\d.]+)", valid[-1]).group(1))
+    aux = float(re.search(r"\| aux1_loss ([\d.]+)", valid[-1]).group(1))
+    joint = float(re.search(r"\| joint_loss ([\d.]+)", valid[-1]).group(1))
+    assert math.isclose(joint, main + aux, abs_tol=2e-3)
+
+
+def load(path, **overrides):
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides=overrides or None)
+    return models[0].eval()
+
+
+def test_stripped_checkpoint_decodes_like_the_full_one(trained, data_bin, tmp_path):
+    root, _ = trained
+    stripped = tmp_path / "deploy.pt"
+    strip_aux_decoders.main([str(root / "ms1" / "checkpoint_last.pt"), str(stripped)])
+    full, small = load(root / "ms1" / "checkpoint_last.pt"), load(stripped)
+    assert len(small.decoder.aux_decoders) == 0 and len(small.encoder.memories) == 0
+    assert num_params(full) - num_params(small) == decoder_stack_params(False)
+    dictionary = small.decoder.dictionary
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        torch.testing.assert_close(small(src, lengths, prev)[0], full(src, lengths, prev)[0])
+
+
+def test_strip_refuses_an_aif_checkpoint(trained, tmp_path, capsys):
+    root, _ = trained
+    with pytest.raises(SystemExit) as error:
+        strip_aux_decoders.main([str(root / "ms1_aif" / "checkpoint_last.pt"), str(tmp_path / "x.pt")])
+    assert error.value.code == 2
+    assert "uses AIF" in capsys.readouterr().err
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_decode_from_override_loads_an_auxiliary_decoder(trained):
+    root, _ = trained
+    path = root / "ms1_aif" / "checkpoint_last.pt"
+    main, aux = load(path), load(path, decode_from="aux:1")
+    assert aux.decoder.decode_from == 0
+    src, lengths, prev = random_batch(main.decoder.dictionary)
+    with torch.no_grad():
+        torch.testing.assert_close(aux(src, lengths, prev)[0], main(src, lengths, prev)[1]["aux_out"][0][0])
+
+
+def test_aif_dependency_is_zero_for_zero_fusion_weights():
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1", "--aux-fusion"), dictionary=dictionary).eval()
+    src, lengths, _ = random_batch(dictionary)
+    tokens = [row[row.ne(dictionary.pad())] for row in src]
+    result = aif_dependency(model, batches(tokens, dictionary, 2), dictionary, 0, 4)
+    assert result.output_divergence() > 0 and (result.layer_divergence() > 0).all()
+    assert len(result.sentence_divergences) == 4
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            layer.aux_fusion.proj.weight.zero_()
+    zero = aif_dependency(model, batches(tokens, dictionary, 2), dictionary, 0, 4)
+    assert zero.output_divergence() == pytest.approx(0, abs=1e-9)
+    assert zero.layer_divergence() == pytest.approx(0, abs=1e-9)
+
+
+def test_kl_divergence():
+    p, q = torch.tensor([[0.5, 0.5, 0.0]]), torch.tensor([[0.25, 0.25, 0.5]])
+    assert kl_divergence(p, q).item() == pytest.approx(math.log(2))
+    assert kl_divergence(q, q).item() == 0
+
+
+def test_aif_dependency_cli_writes_json_csv_png(trained, data_bin, tmp_path):
+    root, _ = trained
+    prefix = tmp_path / "out" / "aif"
+    aif_dependency_cli.main([str(root / "ms1_aif" / "checkpoint_last.pt"), "--names", "MS-1+AIF",
+                             "--data-bin", str(data_bin), "--split", "test", "--sample", "4",
+                             "--per-token", "--output-prefix", str(prefix)])
+    result = json.loads(prefix.with_suffix(".json").read_text())["models"]["MS-1+AIF"]
+    assert result["sentences"] == 4 and len(result["attention_kl_per_layer"]) == DECODER_LAYERS
+    assert result["per_token"][0]["tokens"][-1] == "</s>"
+    assert len(prefix.with_suffix(".csv").read_text().splitlines()) == 1 + DECODER_LAYERS * 2  # 2 heads
+    assert prefix.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_cpu_ranks_train_auxiliary_decoders_with_aif(data_bin, tmp_path):
+    """Auxiliary decoders and AIF under DDP; that every parameter gets a gradient (no unused
+    parameters, also without AIF) is tested above."""
+    assert_ranks_identical_after_training(data_bin, tmp_path, "ms_transformer", *ms("1,2", "--aux-fusion"),
+                                          *CRITERION)
