@@ -7,22 +7,43 @@ from mlmha_fairseq.cli import build_corpus, demo
 from fixtures.tiny_bible import BPE_MERGES, TEST_BOOKS, VALID_BOOKS, make_bible_db
 
 
-def test_demo_trains_decodes_scores_and_tests_significance(tmp_path, capsys):
-    corpus = tmp_path / "corpus"
+def tiny_corpus(tmp_path, *sources):
+    """A corpus of the tiny Bible (en is its version k, as the real corpus's en side)."""
+    corpus = tmp_path / "corpus-{}".format("-".join(sources))
+    database = tmp_path / "bible.db"
+    if not database.exists():
+        make_bible_db(database)
     assert build_corpus.main([
-        "--bible-db", make_bible_db(tmp_path / "bible.db"), "--sources", "fr", "--target", "k",
+        "--bible-db", str(database), "--sources", *sources, "--target", "k",
         "--out-dir", str(corpus), "--test-books", *TEST_BOOKS, "--valid-books", *VALID_BOOKS,
         "--bpe-merges", str(BPE_MERGES), "--quiet",
     ]) == 0
-    demo.main(["--work-dir", str(tmp_path / "work"), "--corpus-dir", str(corpus),
+    return str(corpus)
+
+
+def test_demo_trains_decodes_scores_and_tests_significance(tmp_path, capsys):
+    demo.main(["--work-dir", str(tmp_path / "work"), "--corpus-dir", tiny_corpus(tmp_path, "fr"),
                "--max-update", "2", "--beam", "1"])
-    results = json.loads((tmp_path / "work" / "results.json").read_text())
+    stage = json.loads((tmp_path / "work" / "results.json").read_text())["stages"]["fr->en"]
     systems = [system.name for system in demo.SYSTEMS if not system.full_only]
-    assert list(results["bleu"]) == systems
-    assert {row["system"] for row in results["significance"]} == set(systems[1:])
-    assert results["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert list(stage["bleu"]) == systems
+    assert {row["system"] for row in stage["significance"]} == set(systems[1:])
+    assert stage["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     printed = capsys.readouterr().out
     assert "| system | BLEU |" in printed and "Example translations" in printed
+
+
+def test_full_demo_adds_the_multi_source_table_with_the_adversarial_column(tmp_path):
+    demo.main(["--full", "--systems", demo.BASELINE, "--work-dir", str(tmp_path / "work"),
+               "--corpus-dir", tiny_corpus(tmp_path, "fr"), "--multi-source-langs", "es,fr",
+               "--multi-source-corpus-dir", tiny_corpus(tmp_path, "es", "fr"),
+               "--max-update", "2", "--beam", "1"])
+    stages = json.loads((tmp_path / "work" / "results.json").read_text())["stages"]
+    assert list(stages["fr->en"]["bleu"]) == [demo.BASELINE]
+    multi = stages["es+fr->en"]
+    expected = ["fr only"] + [f"es+fr {strategy}" for strategy in demo.STRATEGIES]
+    assert list(multi["bleu"]) == list(multi["adversarial_bleu"]) == expected
+    assert "fr deranged" in (tmp_path / "work" / "results.md").read_text()
 
 
 def test_unknown_system_is_refused():

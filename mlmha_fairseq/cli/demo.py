@@ -12,7 +12,10 @@ Steps, each printed with the command it runs:
    sacreBLEU's paired bootstrap resampling (1,000 resamples);
 4. print and save (``results.md``, ``results.json``) the table and a few translations.
 
-``--full`` runs the longer version: more data and updates and every system.
+``--full`` runs the longer version: more data and updates, every system, and a second table:
+the multi-source Transformer over es+fr+de -> en with each combination strategy against the
+same model given French alone, each also decoded with French replaced by a fixed-seed
+derangement of the test set (the adversarial evaluation).
 Usage: ``python -m mlmha_fairseq.cli.demo --help``.
 """
 import argparse
@@ -23,7 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Tuple
 
 import mlmha_fairseq
 from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
@@ -43,6 +46,7 @@ class System:
     arch: str
     options: List[str] = field(default_factory=list)
     full_only: bool = False
+    task_options: List[str] = field(default_factory=list)  # for fairseq-train and -generate
 
 
 MLMHA = ["--decoder-cross-attention", "multi-layer"]
@@ -55,8 +59,30 @@ SYSTEMS = [
     System("MLMHA M-11", "slot_transformer", MLMHA + ["--mlmha-variant", "M-11"], full_only=True),
     System("S-Agg", "slot_transformer", ["--layer-aggregation", "s-agg"], full_only=True),
     System("Transparent Attention", "slot_transformer", ["--layer-aggregation", "transparent"], full_only=True),
+    System("MMA", "slot_transformer", ["--encoder-self-attention", "mixed"], full_only=True),
+    System("MLRF Both-FNN-SA", "slot_transformer",
+           ["--mlrf-encoder-fusion", "fnn", "--mlrf-decoder-fusion", "sa"], full_only=True),
+    System("Enc-DC", "slot_transformer", ["--dc-encoder-layers", "all"], full_only=True),
+    System("MS-2 + AIF", "ms_transformer", ["--aux-decoder-layers", "2", "--aux-fusion", "--criterion",
+                                             "multi_decoder_label_smoothed_cross_entropy"], full_only=True),
 ]
 BASELINE = SYSTEMS[0].name
+MULTI_SOURCE_LANGS = ("es", "fr", "de")
+STRATEGIES = ("serial", "parallel", "flat", "hierarchical")
+
+
+def multi_source_systems(langs) -> List[System]:
+    """The --full demo's second table: the multi-source Transformer with each combination
+    strategy over ``langs``, against the same model given the demo's source alone."""
+    def system(name, sources, strategy):
+        task = ["--task", "multi_source_translation", "--source-langs", ",".join(sources),
+                "--target-lang", TARGET]
+        return System(name, "multi_source_transformer", ["--combination-strategy", strategy],
+                      task_options=task)
+
+    return [system(f"{SOURCE} only", [SOURCE], "serial")] + [
+        system(f"{'+'.join(langs)} {strategy}", langs, strategy) for strategy in STRATEGIES
+    ]
 
 MODEL = [
     "--encoder-layers", "3", "--decoder-layers", "3",
@@ -90,30 +116,34 @@ def fairseq(tool: str, *args) -> List[str]:
     return [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
 
 
-def build_corpus(corpus_dir: str, settings: dict, work_dir: str) -> None:
-    options = ["--sources", SOURCE, "--target", TARGET, "--out-dir", corpus_dir,
+def build_corpus(sources, corpus_dir: str, settings: dict, work_dir: str) -> None:
+    options = ["--sources", *sources, "--target", TARGET, "--out-dir", corpus_dir,
                "--max-tokens-per-verse", "50", "--bpe-merges", str(settings["bpe_merges"])]
     if settings["train_verses"]:
         options += ["--max-train-verses", str(settings["train_verses"])]
-    run([sys.executable, "-m", "mlmha_fairseq.cli.build_corpus", *options], "corpus", work_dir)
+    run([sys.executable, "-m", "mlmha_fairseq.cli.build_corpus", *options],
+        f"corpus-{'-'.join(sources)}", work_dir)
 
 
 def train(system: System, data_bin: str, save_dir: str, max_update: int, seed: int, work_dir: str):
     run(fairseq(
-        "train", data_bin, "--user-dir", USER_DIR, "--arch", system.arch, *MODEL, *system.options,
+        "train", data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch, *MODEL,
         "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "2e-3",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", max(1, max_update // 5),
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         "--max-tokens", "2048", "--max-update", max_update, "--save-dir", save_dir,
         "--no-epoch-checkpoints", "--no-last-checkpoints",
         "--seed", seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
+        *system.options,  # last: a system may replace the criterion
     ), f"train-{os.path.basename(save_dir)}", work_dir)
 
 
-def translate(data_bin: str, checkpoint: str, output: str, beam: int, work_dir: str) -> None:
+def translate(system: System, data_bin: str, checkpoint: str, output: str, beam: int, work_dir: str,
+              *extra) -> None:
     # --required-batch-size-multiple 1: fairseq's default of 8 drops the last test sentences
     command = fairseq(
-        "generate", data_bin, "--user-dir", USER_DIR, "--path", checkpoint, "--beam", beam,
+        "generate", data_bin, "--user-dir", USER_DIR, *system.task_options, *extra,
+        "--path", checkpoint, "--beam", beam,
         "--remove-bpe", "--batch-size", "64", "--required-batch-size-multiple", "1",
         "--max-len-a", "1.2", "--max-len-b", "10", "--cpu", "--results-path", output,
     )
@@ -124,22 +154,24 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
-def results_table(scores, significance, n_updates: int, signature: str) -> str:
+def results_table(scores, significance, baseline: str, n_updates: int, signature: str,
+                  extra_column=None) -> str:
+    """Markdown: BLEU with significance marks, gain and p-value against ``baseline``;
+    ``extra_column`` = (title, {system: value}) adds a column."""
     p_values = {r.system: r for r in significance}
-    lines = [
-        "| system | BLEU | Δ | p (paired bootstrap) |",
-        "|---|---|---|---|",
-    ]
-    base = scores[BASELINE]
+    title, values = extra_column or ("", {})
+    lines = ["| system | BLEU | Δ | p (paired bootstrap) |" + (f" {title} |" if title else ""),
+             "|---|---|---|---|" + ("---|" if title else "")]
     for name, score in scores.items():
-        if name == BASELINE:
-            lines.append(f"| {name} | {score:.2f} | | |")
+        if name == baseline:
+            row = f"| {name} | {score:.2f} | | |"
         else:
             result = p_values[name]
-            lines.append(f"| {name} | {score:.2f}{result.mark} | {score - base:+.2f} | {result.p_value:.3f} |")
+            row = f"| {name} | {score:.2f}{result.mark} | {score - scores[baseline]:+.2f} | {result.p_value:.3f} |"
+        lines.append(row + (f" {values[name]:.2f} |" if title else ""))
     lines.append("")
     lines.append(f"{n_updates} updates each; sacreBLEU {signature}; † p<0.05, ‡ p<0.01 against "
-                 f"{BASELINE} (sacreBLEU paired bootstrap, 1,000 resamples)")
+                 f"{baseline} (sacreBLEU paired bootstrap, 1,000 resamples)")
     return "\n".join(lines)
 
 
@@ -151,6 +183,11 @@ def parse_args(argv=None):
                              "sides) instead of building one in the work directory")
     parser.add_argument("--full", action="store_true",
                         help="longer version: all training verses, more updates, every system")
+    parser.add_argument("--multi-source-corpus-dir",
+                        help="with --full: use this N-way corpus (sources --multi-source-langs) "
+                             "instead of building one")
+    parser.add_argument("--multi-source-langs", default=",".join(MULTI_SOURCE_LANGS),
+                        help="with --full: the sources of the multi-source table (default: %(default)s)")
     parser.add_argument("--max-update", type=int, help="training updates per system (overrides the preset)")
     parser.add_argument("--systems", help="comma-separated system names to run (the baseline is always run)")
     parser.add_argument("--beam", type=int, default=4)
@@ -168,58 +205,94 @@ def chosen_systems(args) -> List[System]:
     return [s for s in SYSTEMS if args.full or not s.full_only]
 
 
+class Stage:
+    """One corpus, its systems trained with the same budget, one results table."""
+
+    def __init__(self, name: str, corpus: str, args, settings: dict):
+        self.name, self.corpus, self.args, self.settings = name, corpus, args, settings
+        self.data_bin = os.path.join(corpus, "data-bin")
+        self.references = read_lines(os.path.join(corpus, "text", f"test.raw.{TARGET}"))
+        self.sources = read_lines(os.path.join(corpus, "text", f"test.raw.{SOURCE}"))
+        self.protocol = resolve_protocol("sacrebleu")
+        self.text_options = TextOptions(input_format="generate", detokenize_lang=TARGET)
+        self.signature = ""
+
+    def score(self, output: str) -> Tuple[List[str], float]:
+        hypotheses = load_hypotheses(os.path.join(output, "generate-test.txt"), self.protocol, self.text_options)
+        score = corpus_score(hypotheses, [self.references], self.protocol)
+        self.signature = score.signature
+        logger.info("  %s", score.line)
+        return hypotheses, score.score
+
+    def train_and_decode(self, system: System, number: int, total: int) -> Tuple[str, str]:
+        """Train ``system``, decode the test set; return the checkpoint and output folder."""
+        name = slug(f"{self.name}-{system.name}")
+        logger.info("%s: system %d/%d %s: train %d updates, decode", self.name, number, total,
+                    system.name, self.settings["max_update"])
+        save_dir = os.path.join(self.args.work_dir, "checkpoints", name)
+        train(system, self.data_bin, save_dir, self.settings["max_update"], self.args.seed, self.args.work_dir)
+        checkpoint = os.path.join(save_dir, "checkpoint_best.pt")
+        output = os.path.join(self.args.work_dir, "outputs", name)
+        translate(system, self.data_bin, checkpoint, output, self.args.beam, self.args.work_dir)
+        return checkpoint, output
+
+    def run(self, systems: List[System], adversarial_source: str = None) -> str:
+        """Every system, then significance against the first; the table and examples."""
+        hypotheses, scores, adversarial = {}, {}, {}
+        for number, system in enumerate(systems, 1):
+            checkpoint, output = self.train_and_decode(system, number, len(systems))
+            hypotheses[system.name], scores[system.name] = self.score(output)
+            if adversarial_source:
+                translate(system, self.data_bin, checkpoint, output + "-adversarial", self.args.beam,
+                          self.args.work_dir, "--adversarial-source", adversarial_source)
+                adversarial[system.name] = self.score(output + "-adversarial")[1]
+        baseline = systems[0].name
+        logger.info("%s: significance against %s", self.name, baseline)
+        others = [(name, hyps) for name, hyps in hypotheses.items() if name != baseline]
+        significance, _ = compare_systems(hypotheses[baseline], others, [self.references], self.protocol,
+                                          [SIGNIFICANCE_METHOD], SignificanceOptions())
+        column = (f"BLEU, {adversarial_source} deranged", adversarial) if adversarial_source else None
+        table = results_table(scores, significance, baseline, self.settings["max_update"], self.signature, column)
+        examples = "\n\n".join(
+            f"source:    {self.sources[i]}\nreference: {self.references[i]}\n"
+            + "\n".join(f"{name + ':':<24} {hyps[i]}" for name, hyps in hypotheses.items())
+            for i in range(EXAMPLES_SHOWN)
+        )
+        report = f"## {self.name}\n\n{table}\n\nExample translations (test books):\n\n```\n{examples}\n```\n"
+        self.record = {"systems": [s.__dict__ for s in systems], "bleu": scores, "signature": self.signature,
+                       "significance": [r.as_row() for r in significance], "adversarial_bleu": adversarial}
+        print("\n" + report)
+        return report
+
+
+def prepared_corpus(sources, given_dir, args, settings) -> str:
+    corpus = given_dir or os.path.join(args.work_dir, "corpus-" + "-".join(sources))
+    logger.info("corpus %s->%s%s", "+".join(sources), TARGET, f" (using {corpus})" if given_dir else "")
+    if not given_dir:
+        build_corpus(sources, corpus, settings, args.work_dir)
+    return corpus
+
+
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(format="[demo %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO, force=True)
     settings = dict(FULL if args.full else QUICK)
     if args.max_update:
         settings["max_update"] = args.max_update
-    systems = chosen_systems(args)
     start = time.time()
 
-    corpus = args.corpus_dir or os.path.join(args.work_dir, "corpus")
-    logger.info("step 1/4: corpus %s->%s", SOURCE, TARGET)
-    if args.corpus_dir:
-        logger.info("  using %s", corpus)
-    else:
-        build_corpus(corpus, settings, args.work_dir)
-    data_bin = os.path.join(corpus, "data-bin")
-    references = read_lines(os.path.join(corpus, "text", f"test.raw.{TARGET}"))
-    sources = read_lines(os.path.join(corpus, "text", f"test.raw.{SOURCE}"))
+    stages = [Stage(f"{SOURCE}->{TARGET}", prepared_corpus([SOURCE], args.corpus_dir, args, settings), args, settings)]
+    reports = [stages[0].run(chosen_systems(args))]
+    if args.full:
+        langs = args.multi_source_langs.split(",")
+        corpus = prepared_corpus(langs, args.multi_source_corpus_dir, args, settings)
+        stages.append(Stage(f"{'+'.join(langs)}->{TARGET}", corpus, args, settings))
+        reports.append(stages[1].run(multi_source_systems(langs), adversarial_source=SOURCE))
 
-    protocol = resolve_protocol("sacrebleu")
-    text_options = TextOptions(input_format="generate", detokenize_lang=TARGET)
-    hypotheses, scores, signature = {}, {}, ""
-    for number, system in enumerate(systems, 1):
-        name = slug(system.name)
-        logger.info("step 2-3/4: system %d/%d %s: train %d updates, decode",
-                    number, len(systems), system.name, settings["max_update"])
-        save_dir = os.path.join(args.work_dir, "checkpoints", name)
-        train(system, data_bin, save_dir, settings["max_update"], args.seed, args.work_dir)
-        output = os.path.join(args.work_dir, "outputs", name)
-        translate(data_bin, os.path.join(save_dir, "checkpoint_best.pt"), output, args.beam, args.work_dir)
-        hypotheses[system.name] = load_hypotheses(
-            os.path.join(output, "generate-test.txt"), protocol, text_options)
-        score = corpus_score(hypotheses[system.name], [references], protocol)
-        scores[system.name], signature = score.score, score.signature
-        logger.info("  %s: %s", system.name, score.line)
-
-    logger.info("step 4/4: significance against %s", BASELINE)
-    others = [(name, hyps) for name, hyps in hypotheses.items() if name != BASELINE]
-    significance, _ = compare_systems(hypotheses[BASELINE], others, [references], protocol,
-                                      [SIGNIFICANCE_METHOD], SignificanceOptions())
-    table = results_table(scores, significance, settings["max_update"], signature)
-    examples = "\n\n".join(
-        f"source:    {sources[i]}\nreference: {references[i]}\n"
-        + "\n".join(f"{name + ':':<24} {hyps[i]}" for name, hyps in hypotheses.items())
-        for i in range(EXAMPLES_SHOWN)
-    )
     with open(os.path.join(args.work_dir, "results.md"), "w") as f:
-        f.write(table + "\n\n```\n" + examples + "\n```\n")
+        f.write("\n".join(reports))
     with open(os.path.join(args.work_dir, "results.json"), "w") as f:
-        json.dump({"settings": settings, "systems": [s.__dict__ for s in systems], "bleu": scores,
-                   "signature": signature, "significance": [r.as_row() for r in significance]}, f, indent=2)
-    print(f"\n{table}\n\nExample translations (test books):\n\n{examples}\n")
+        json.dump({"settings": settings, "stages": {stage.name: stage.record for stage in stages}}, f, indent=2)
     logger.info("finished in %.1f minutes; results in %s", (time.time() - start) / 60,
                 os.path.join(args.work_dir, "results.md"))
 
