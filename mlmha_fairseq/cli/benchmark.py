@@ -6,8 +6,8 @@ For every configuration, at one fixed model size and batch shape, in the same ru
   criterion, backward, Adam);
 * generation: sentences per second of fairseq's ``SequenceGenerator`` (beam 5), every
   system forced to produce the same number of tokens so that speeds compare;
-* FLOPs of one training step (``torch.utils.flop_counter``), whose ratio to the baseline is
-  the bound the time ratio should approach;
+* FLOPs of one training step and of one beam search (``torch.utils.flop_counter``), whose
+  ratios to the baseline are the bounds the time ratios should approach;
 * peak memory: the process's maximum resident set (CPU) or ``max_memory_allocated`` (CUDA)
   of one training step and one beam search, each configuration in its own process.
 
@@ -137,6 +137,7 @@ class Subject:
         self.model.to(device)
         self.sample = random_sample(dictionary, opts.sentences, opts.length, device)
         self.optimizer = torch.optim.Adam(self.model.parameters())
+        self.beam = opts.beam
         self.generator = SequenceGenerator([self.model], dictionary, beam_size=opts.beam,
                                            max_len_a=0, max_len_b=opts.length, min_len=opts.length)
         net_input = self.sample["net_input"]
@@ -151,15 +152,21 @@ class Subject:
         self.optimizer.step()
 
     def generate(self):
+        """Beam search as fairseq-generate runs it: after ``prepare_for_inference_`` (no
+        attention weights but the alignment layer's, beamable cross-attention), which
+        forbids training afterwards, so every training measurement comes first."""
+        if not self.model._is_generation_fast:
+            self.model.make_generation_fast_(beamable_mm_beam_size=self.beam, need_attn=False)
         self.model.eval()
         with torch.no_grad():
             self.generator.generate([self.model], self.gen_sample)
 
-    def train_step_flops(self) -> int:
+    def flops(self, action: str) -> int:
+        """FLOPs of one call of ``action`` (``train_step`` or ``generate``)."""
         from torch.utils.flop_counter import FlopCounterMode
 
         with FlopCounterMode(display=False) as counter:
-            self.train_step()
+            getattr(self, action)()
         return counter.get_total_flops()
 
 
@@ -185,16 +192,18 @@ def measure_speed(name: str, opts) -> dict:
     device = torch.device(opts.device)
     subjects = [Subject(BASELINE, opts, device)] + ([Subject(name, opts, device)] if name != BASELINE else [])
     train = interleaved_seconds(subjects, "train_step", opts.steps, device)
+    train_flops = [subject.flops("train_step") for subject in subjects]
     generate = interleaved_seconds(subjects, "generate", max(1, opts.steps // 2), device)
-    subject = subjects[-1]
+    gen_flops = [subject.flops("generate") for subject in subjects]
     return {
         "name": name,
-        "params": sum(p.numel() for p in subject.model.parameters()),
+        "params": sum(p.numel() for p in subjects[-1].model.parameters()),
         "train_tokens_per_s": opts.sentences * opts.length / train[-1],
         "gen_sentences_per_s": opts.gen_sentences / generate[-1],
         "train_time_ratio": train[-1] / train[0],
         "gen_time_ratio": generate[-1] / generate[0],
-        "flop_ratio": subject.train_step_flops() / subjects[0].train_step_flops(),
+        "flop_ratio": train_flops[-1] / train_flops[0],
+        "gen_flop_ratio": gen_flops[-1] / gen_flops[0],
     }
 
 
@@ -228,16 +237,18 @@ def with_ratios(rows: List[dict]) -> List[dict]:
     return rows
 
 
-COLUMNS = ["name", "params", "param_ratio", "flop_ratio", "train_time_ratio", "gen_time_ratio",
+COLUMNS = ["name", "params", "param_ratio", "flop_ratio", "train_time_ratio", "gen_flop_ratio", "gen_time_ratio",
            "memory_ratio", "train_tokens_per_s", "gen_sentences_per_s", "peak_memory_mb"]
 
 
 def markdown_table(rows: List[dict]) -> str:
-    header = ("| configuration | params | FLOPs x | train time x | generation time x | peak memory x "
-              "| train tok/s | gen sent/s |\n|---|---|---|---|---|---|---|---|\n")
+    header = ("| configuration | params | train FLOPs x | train time x | generation FLOPs x "
+              "| generation time x | peak memory x | train tok/s | gen sent/s |\n"
+              "|---|---|---|---|---|---|---|---|---|\n")
     return header + "".join(
         f"| {r['name']} | {r['params'] / 1e6:.2f}M | {r['flop_ratio']:.2f} | {r['train_time_ratio']:.2f} "
-        f"| {r['gen_time_ratio']:.2f} | {r['memory_ratio']:.2f} | {r['train_tokens_per_s']:.0f} "
+        f"| {r['gen_flop_ratio']:.2f} | {r['gen_time_ratio']:.2f} | {r['memory_ratio']:.2f} "
+        f"| {r['train_tokens_per_s']:.0f} "
         f"| {r['gen_sentences_per_s']:.2f} |\n"
         for r in rows
     )
