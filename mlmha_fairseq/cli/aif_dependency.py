@@ -11,7 +11,6 @@ import math
 
 from tqdm import tqdm
 
-from mlmha_fairseq.cli.dc_diversity import read_sentences, source_tokens
 from mlmha_fairseq.evaluation import cli_support
 from mlmha_fairseq.evaluation.aif_dependency import aif_dependency, plot_aif_dependency
 from mlmha_fairseq.evaluation.model_loading import (
@@ -19,6 +18,8 @@ from mlmha_fairseq.evaluation.model_loading import (
     batches,
     left_pad_source,
     load_model,
+    read_sentences,
+    source_tokens,
 )
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 

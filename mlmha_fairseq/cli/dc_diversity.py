@@ -14,14 +14,13 @@ from mlmha_fairseq.evaluation import cli_support
 from mlmha_fairseq.evaluation.fi_diversity import HEAD_REDUCTIONS, MAX, fi_diversity, plot_fi_diversity
 from mlmha_fairseq.evaluation.model_loading import (
     DEFAULT_BATCH_SIZE,
-    apply_bpe,
     batches,
-    encode_lines,
     left_pad_source,
     load_model,
-    sample_indices,
+    read_sentences,
+    source_tokens,
 )
-from mlmha_fairseq.evaluation.text_io import InputError, read_lines, write_csv, write_json
+from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
 DEFAULT_SEED = 1
 
@@ -49,28 +48,6 @@ def build_parser():
                         help="sentences per batch (default: %(default)s)")
     cli_support.add_output_prefix(parser, "dc_diversity")
     return parser
-
-
-def source_tokens(args, task, lines):
-    """Token tensors of the chosen sentences: ``lines`` encoded, or the binarized split."""
-    dictionary = task.source_dictionary
-    if lines is not None:
-        return encode_lines(lines, dictionary)
-    try:
-        task.load_dataset(args.split)
-    except FileNotFoundError as error:
-        raise InputError(f"--split {args.split}: {error}") from error
-    source = task.dataset(args.split).src
-    return [source[i] for i in sample_indices(len(source), args.sample, args.seed)]
-
-
-def read_sentences(args):
-    """``--input`` lines (sampled, BPE applied), or None with ``--split``."""
-    if args.input is None:
-        return None
-    lines = read_lines(args.input)
-    lines = [lines[i] for i in sample_indices(len(lines), args.sample, args.seed)]
-    return apply_bpe(lines, args.bpe_codes)
 
 
 def dc_diversity(parser, args) -> None:

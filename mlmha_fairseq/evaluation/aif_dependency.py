@@ -25,8 +25,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from mlmha_fairseq.evaluation.attention_statistics import _record_head_weights
-from mlmha_fairseq.evaluation.plotting import BAR_FIGSIZE, _pyplot, _save
+from mlmha_fairseq.evaluation.attention_statistics import record_head_weights
+from mlmha_fairseq.evaluation.plotting import BAR_FIGSIZE, pyplot, save_figure
 from mlmha_fairseq.evaluation.text_io import InputError
 
 
@@ -61,7 +61,7 @@ def recording_cross_attention(model):
     layers = list(model.decoder.layers)
     records = [None] * len(layers)
     handles = [layer.encoder_attn.register_forward_hook(
-        functools.partial(_record_head_weights, records, index), with_kwargs=True)
+        functools.partial(record_head_weights, records, index), with_kwargs=True)
         for index, layer in enumerate(layers)]
     try:
         yield records
@@ -166,7 +166,7 @@ def aif_dependency(model, batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], 
 
 def plot_aif_dependency(models: Dict[str, DependencyAccumulator], path: str) -> None:
     """(a) ``D_Y`` per model; (b) ``D^l`` over the decoder layers per model (Fig. 4.7)."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(2 * BAR_FIGSIZE[0], BAR_FIGSIZE[1]))
@@ -184,4 +184,4 @@ def plot_aif_dependency(models: Dict[str, DependencyAccumulator], path: str) -> 
     right.set_ylabel("KL(A_m || A_ind) (nats)")
     right.set_title("(b) encoder-decoder attention", fontsize="medium")
     right.legend(fontsize="small")
-    _save(figure, path)
+    save_figure(figure, path)

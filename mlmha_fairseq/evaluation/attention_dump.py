@@ -12,7 +12,7 @@ import torch
 
 from mlmha_fairseq.evaluation.attention_statistics import encoder_layers, recording_self_attention
 from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE, batches
-from mlmha_fairseq.evaluation.plotting import _pyplot, _save
+from mlmha_fairseq.evaluation.plotting import pyplot, save_figure
 
 GLOBAL_HEAD = "G"  # a head of fairseq's own self-attention sees every key
 HEATMAP_INCHES_PER_TOKEN = 0.22
@@ -47,7 +47,7 @@ def sentence_attention(model, token_lists: Sequence[torch.Tensor], dictionary, l
 def plot_sentence_attention(tokens: Sequence[str], weights: np.ndarray, types: Sequence[Sequence[str]],
                             path: str, title: str = "") -> None:
     """Heat maps of one sentence, one panel per layer (rows) and head (columns)."""
-    plt = _pyplot()
+    plt = pyplot()
     layers, heads, length, _ = weights.shape
     panel = max(MIN_PANEL_INCHES, length * HEATMAP_INCHES_PER_TOKEN)
     figure, axes = plt.subplots(layers, heads, figsize=(heads * panel, layers * panel), squeeze=False)
@@ -64,4 +64,4 @@ def plot_sentence_attention(tokens: Sequence[str], weights: np.ndarray, types: S
                 axis.set_xticklabels(tokens, rotation=90, fontsize="x-small")
                 axis.set_yticklabels(tokens, fontsize="x-small")
     figure.suptitle(f"{title} (rows: queries, columns: keys)".strip())
-    _save(figure, path)
+    save_figure(figure, path)

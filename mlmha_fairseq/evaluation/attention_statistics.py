@@ -121,7 +121,9 @@ def _keyword_arguments(function, args, kwargs) -> dict:
     return call
 
 
-def _record_head_weights(records: list, index: int, module, args, kwargs, _output) -> None:
+def record_head_weights(records: list, index: int, module, args, kwargs, _output) -> None:
+    """Forward hook (``with_kwargs=True``) of a fairseq ``MultiheadAttention``: stores the
+    per-head weights (H x B x T x S) of the same call in ``records[index]``."""
     # The encoder layer calls self_attn with need_weights=False; call it again with per-head
     # weights. fairseq's MultiheadAttention otherwise takes torch's fast path, which returns
     # head-averaged weights; skip_embed_dim_check disables that path.
@@ -145,7 +147,7 @@ def recording_self_attention(model):
     layers = encoder_layers(model)
     records = [None] * len(layers)
     handles = [layer.self_attn.register_forward_hook(
-        functools.partial(_record_head_weights, records, index), with_kwargs=True)
+        functools.partial(record_head_weights, records, index), with_kwargs=True)
         for index, layer in enumerate(layers)]
     try:
         yield records

@@ -25,8 +25,8 @@ from typing import Dict, Iterable, List, Tuple
 import numpy as np
 import torch
 
-from mlmha_fairseq.evaluation.attention_statistics import _record_head_weights, encoder_layers
-from mlmha_fairseq.evaluation.plotting import LINE_FIGSIZE, _pyplot, _save
+from mlmha_fairseq.evaluation.attention_statistics import record_head_weights, encoder_layers
+from mlmha_fairseq.evaluation.plotting import LINE_FIGSIZE, pyplot, save_figure
 from mlmha_fairseq.evaluation.text_io import InputError
 
 MAX, PEAK_HEAD = "max", "peak-head"
@@ -71,7 +71,7 @@ def recording_fi_units(model):
     modules = [module for _, module in dc_encoder_layers(model)]
     records = {unit: [None] * len(modules) for unit in UNITS}
     handles = [getattr(module, unit).register_forward_hook(
-        functools.partial(_record_head_weights, records[unit], index), with_kwargs=True)
+        functools.partial(record_head_weights, records[unit], index), with_kwargs=True)
         for unit in UNITS for index, module in enumerate(modules)]
     try:
         yield records
@@ -132,7 +132,7 @@ def fi_diversity(model, batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], pa
 
 def plot_fi_diversity(models: Dict[str, DiversityAccumulator], path: str) -> None:
     """Per model, ``dv_l`` over the encoder layers, ``E_d`` in the legend (Fig. 5.4)."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     figure, axis = plt.subplots(figsize=LINE_FIGSIZE)
@@ -145,4 +145,4 @@ def plot_fi_diversity(models: Dict[str, DiversityAccumulator], path: str) -> Non
     axis.set_ylabel("JS(alpha_g || alpha_l) (nats)")
     axis.set_title("diversity of the two FI units", fontsize="medium")
     axis.legend(fontsize="small")
-    _save(figure, path)
+    save_figure(figure, path)

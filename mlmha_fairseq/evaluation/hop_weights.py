@@ -12,7 +12,7 @@ from typing import Iterator, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from mlmha_fairseq.evaluation.plotting import _pyplot, _save
+from mlmha_fairseq.evaluation.plotting import pyplot, save_figure
 from mlmha_fairseq.evaluation.text_io import InputError
 from mlmha_fairseq.models.representation_fusion import DECODER, ENCODER, LayerFusion
 from mlmha_fairseq.modules.representation_fusion import LayerAttention
@@ -75,7 +75,7 @@ def forced_decoding_hop_weights(model, pairs: Sequence[Tuple[torch.Tensor, torch
 def plot_hop_weights(weights: np.ndarray, layers: Sequence[str], tokens: Sequence[str], path: str,
                      title: str = "") -> None:
     """Figure 5: one heat map per hop, layers (bottom to top) by positions."""
-    plt = _pyplot()
+    plt = pyplot()
     hops, num_layers, length = weights.shape
     width = max(MIN_PANEL_INCHES, length * PANEL_INCHES_PER_TOKEN) + 1.5
     height = max(MIN_PANEL_INCHES, num_layers * PANEL_INCHES_PER_LAYER + 1.0)
@@ -90,4 +90,4 @@ def plot_hop_weights(weights: np.ndarray, layers: Sequence[str], tokens: Sequenc
             axis.set_xticklabels(tokens, rotation=90)
         axis.set_title(f"{title} hop {hop + 1}".strip(), fontsize="medium")
         figure.colorbar(image, ax=axis)
-    _save(figure, path)
+    save_figure(figure, path)

@@ -6,7 +6,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from mlmha_fairseq.evaluation.text_io import InputError
+from mlmha_fairseq.evaluation.text_io import InputError, read_lines
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -70,3 +70,25 @@ def batches(token_lists: Sequence[torch.Tensor], dictionary, batch_size: int = D
 def left_pad_source(task) -> bool:
     """The task's source padding side (fairseq's translation default: left)."""
     return bool(getattr(getattr(task, "cfg", None), "left_pad_source", True))
+
+
+def source_tokens(args, task, lines):
+    """Token tensors of the chosen sentences: ``lines`` encoded, or the binarized split."""
+    dictionary = task.source_dictionary
+    if lines is not None:
+        return encode_lines(lines, dictionary)
+    try:
+        task.load_dataset(args.split)
+    except FileNotFoundError as error:
+        raise InputError(f"--split {args.split}: {error}") from error
+    source = task.dataset(args.split).src
+    return [source[i] for i in sample_indices(len(source), args.sample, args.seed)]
+
+
+def read_sentences(args):
+    """``--input`` lines (sampled, BPE applied), or None with ``--split``."""
+    if args.input is None:
+        return None
+    lines = read_lines(args.input)
+    lines = [lines[i] for i in sample_indices(len(lines), args.sample, args.seed)]
+    return apply_bpe(lines, args.bpe_codes)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mlmha_fairseq.data.multi_source_dataset import IMAGE
-from mlmha_fairseq.evaluation.plotting import _pyplot, _save
+from mlmha_fairseq.evaluation.plotting import pyplot, save_figure
 from mlmha_fairseq.models.multi_source import combination_modules
 
 HEATMAP_INCHES_PER_TOKEN = 0.22
@@ -90,7 +90,7 @@ def plot_joint_attention(weights: np.ndarray, target_tokens: Sequence[str], colu
                          boundaries: Sequence[int], path: str, title: str) -> None:
     """Appendix A: target tokens (rows) against the concatenated source tokens (columns),
     with a line between sources."""
-    plt = _pyplot()
+    plt = pyplot()
     rows, columns = weights.shape
     figure, axis = plt.subplots(figsize=(max(MIN_FIGURE_INCHES, columns * HEATMAP_INCHES_PER_TOKEN),
                                          max(MIN_FIGURE_INCHES, rows * HEATMAP_INCHES_PER_TOKEN)))
@@ -105,13 +105,13 @@ def plot_joint_attention(weights: np.ndarray, target_tokens: Sequence[str], colu
         axis.set_yticklabels(target_tokens, fontsize="x-small")
     axis.set_title(title, fontsize="small")
     figure.colorbar(image, ax=axis)
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def plot_context_weights(means: np.ndarray, names: Sequence[str], path: str) -> None:
     """Figure 2: second-level weight of each source (rows) per decoder layer (columns, 0-based
     as in the paper), on a 0-1 scale."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(max(MIN_FIGURE_INCHES, 0.7 * means.shape[0] + 1.5),
                                          max(2.0, 0.5 * len(names) + 1.0)))
     image = axis.imshow(means.T, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
@@ -124,4 +124,4 @@ def plot_context_weights(means: np.ndarray, names: Sequence[str], path: str) -> 
             axis.text(layer, k, f"{means[layer, k]:.2f}", ha="center", va="center", fontsize="x-small",
                       color="white" if means[layer, k] < 0.5 else "black")
     figure.colorbar(image, ax=axis)
-    _save(figure, path)
+    save_figure(figure, path)

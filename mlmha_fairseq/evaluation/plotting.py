@@ -12,7 +12,8 @@ LINE_FIGSIZE = (8, 3.2)
 BAR_FIGSIZE = (7, 3.5)
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,13 +22,14 @@ def _pyplot():
     return plt
 
 
-def _save(figure, path: str) -> None:
+def save_figure(figure, path: str) -> None:
+    """Write ``figure`` as a PNG (creating its folder) and close it."""
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
     figure.tight_layout()
     figure.savefig(path, dpi=DPI)
-    _pyplot().close(figure)
+    pyplot().close(figure)
 
 
 def _grouped_bars(axis, categories: Sequence[str], series: Dict[str, Sequence[float]]) -> None:
@@ -44,13 +46,13 @@ def _grouped_bars(axis, categories: Sequence[str], series: Dict[str, Sequence[fl
 def plot_length_buckets(rows: Sequence[Dict], systems: Sequence[str], metric: str, unit: str,
                         path: str) -> None:
     """Grouped bars: score per source-length bucket and system, counts under the labels."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
     labels = [f"{row['bucket']}\nn={row['count']}" for row in rows]
     _grouped_bars(axis, labels, {name: [row[name] for row in rows] for name in systems})
     axis.set_xlabel(f"source length ({unit}s)")
     axis.set_ylabel(metric)
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def plot_significance(names: Sequence[str], scores: Sequence[float],
@@ -58,7 +60,7 @@ def plot_significance(names: Sequence[str], scores: Sequence[float],
                       marks: Sequence[str], metric: str, method: str, path: str) -> None:
     """Each system's score with its 95% resampling interval and significance mark; the
     first system is the baseline (dashed line)."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
     for position, (score, interval, mark) in enumerate(zip(scores, intervals, marks)):
         error = None if interval is None else [[score - interval[0]], [interval[1] - score]]
@@ -71,13 +73,13 @@ def plot_significance(names: Sequence[str], scores: Sequence[float],
     axis.set_xlim(-0.5, len(names) - 0.2)
     axis.set_ylabel(metric)
     axis.set_title(f"{method}: † p<0.05, ‡ p<0.01 vs {names[0]}", fontsize="medium")
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def plot_attention_heatmaps(models: Sequence[Tuple[str, np.ndarray, np.ndarray]],
                             path: str) -> None:
     """Per model, layer x head heat maps of mean distance and entropy."""
-    plt = _pyplot()
+    plt = pyplot()
     layers, heads = models[0][1].shape
     cell_w = max(MIN_HEATMAP_INCHES, heads * HEATMAP_CELL_INCHES)
     cell_h = max(MIN_HEATMAP_INCHES, layers * HEATMAP_CELL_INCHES)
@@ -95,12 +97,12 @@ def plot_attention_heatmaps(models: Sequence[Tuple[str, np.ndarray, np.ndarray]]
             axis.set_ylabel("layer")
             axis.set_title(f"{name}: {title}", fontsize="medium")
             figure.colorbar(image, ax=axis)
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def plot_attention_layers(models: Sequence[Tuple[str, np.ndarray, np.ndarray]], path: str) -> None:
     """Per-layer averages over heads (Eqs. 14 and 16) for each model."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes = plt.subplots(1, 2, figsize=LINE_FIGSIZE)
     for name, distance, entropy in models:
         layers = np.arange(1, distance.shape[0] + 1)
@@ -111,13 +113,13 @@ def plot_attention_layers(models: Sequence[Tuple[str, np.ndarray, np.ndarray]], 
         axis.set_xlabel("encoder layer")
         axis.set_title(title, fontsize="medium")
         axis.legend(fontsize="small")
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def plot_probing(tasks: Sequence[str], accuracies: Dict[str, Sequence[float]], path: str) -> None:
     """Grouped bars: test accuracy (%) per probing task and model."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
     _grouped_bars(axis, tasks, accuracies)
     axis.set_ylabel("test accuracy (%)")
-    _save(figure, path)
+    save_figure(figure, path)
