@@ -53,7 +53,7 @@ MLMHA = ["--decoder-cross-attention", "multi-layer"]
 SYSTEMS = [
     System("Transformer (fairseq)", "transformer"),
     System("MLMHA M-00", "slot_transformer", MLMHA + ["--mlmha-variant", "M-00"]),
-    System("Iter-C-Agg", "slot_transformer", ["--layer-aggregation", "iter-c-agg"]),
+    System("Iter-C-Agg", "slot_transformer", ["--layer-aggregation", "iter-c-agg"], full_only=True),
     System("MLMHA M-01", "slot_transformer", MLMHA + ["--mlmha-variant", "M-01"], full_only=True),
     System("MLMHA M-10", "slot_transformer", MLMHA + ["--mlmha-variant", "M-10"], full_only=True),
     System("MLMHA M-11", "slot_transformer", MLMHA + ["--mlmha-variant", "M-11"], full_only=True),
@@ -93,8 +93,9 @@ MODEL = [
 ]
 
 # (train verses, BPE merges, updates) of the quick and the full demo
-QUICK = dict(train_verses=10000, bpe_merges=4000, max_update=250)
+QUICK = dict(train_verses=10000, bpe_merges=4000, max_update=400)
 FULL = dict(train_verses=None, bpe_merges=8000, max_update=3000)
+MAX_TOKENS = 4096  # per batch
 
 
 def run(command: List[str], log_name: str, work_dir: str) -> None:
@@ -131,7 +132,7 @@ def train(system: System, data_bin: str, save_dir: str, max_update: int, seed: i
         "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "2e-3",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", max(1, max_update // 5),
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--max-tokens", "2048", "--max-update", max_update, "--save-dir", save_dir,
+        "--max-tokens", MAX_TOKENS, "--max-update", max_update, "--save-dir", save_dir,
         "--no-epoch-checkpoints", "--no-last-checkpoints",
         "--seed", seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
         *system.options,  # last: a system may replace the criterion
