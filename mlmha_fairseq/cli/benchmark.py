@@ -255,24 +255,21 @@ def markdown_table(rows: List[dict]) -> str:
 
 
 def plot(rows: List[dict], path: str):
-    import matplotlib
+    """Bars of the FLOP and time ratios per configuration, 1 = fairseq's transformer."""
+    from mlmha_fairseq.evaluation.plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["name"] for r in rows]
-    width = 0.27
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for offset, (key, label) in enumerate(
-        [("flop_ratio", "FLOPs"), ("train_time_ratio", "training time"), ("gen_time_ratio", "generation time")]
-    ):
-        ax.bar([i + (offset - 1) * width for i in range(len(rows))], [r[key] for r in rows], width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
-    ax.set_ylabel(f"ratio to fairseq's {BASELINE}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    bars = [("flop_ratio", "training FLOPs"), ("train_time_ratio", "training time"),
+            ("gen_flop_ratio", "generation FLOPs"), ("gen_time_ratio", "generation time")]
+    width = 0.8 / len(bars)
+    figure, axis = pyplot().subplots(figsize=(12, 4))
+    for offset, (key, label) in enumerate(bars):
+        positions = [i + (offset - (len(bars) - 1) / 2) * width for i in range(len(rows))]
+        axis.bar(positions, [row[key] for row in rows], width, label=label)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_xticks(range(len(rows)), [row["name"] for row in rows], rotation=35, ha="right")
+    axis.set_ylabel(f"ratio to fairseq's {BASELINE}")
+    axis.legend()
+    save_figure(figure, path)
 
 
 def parse_args(argv=None):

@@ -30,17 +30,7 @@ def build_parser():
     parser.add_argument("checkpoints", nargs="+",
                         help="fairseq checkpoints of models with --dc-encoder-layers")
     parser.add_argument("--names", nargs="+", help="one name per checkpoint")
-    parser.add_argument("--data-bin", help="data directory with the dictionaries (and --split) "
-                                           "(default: the one stored in the checkpoint)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--input", help="source sentences, tokenized (and BPE-segmented unless "
-                                        "--bpe-codes)")
-    source.add_argument("--split", help="a binarized split of the data directory, e.g. test")
-    parser.add_argument("--bpe-codes", help="subword-nmt codes to apply to --input")
-    parser.add_argument("--sample", type=int, help="analyse this many random sentences "
-                                                   "(default: all)")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                        help="sampling seed (default: %(default)s)")
+    cli_support.add_sentence_selection(parser, DEFAULT_SEED)
     parser.add_argument("--head-reduction", choices=HEAD_REDUCTIONS, default=MAX,
                         help="how one distribution represents the heads: element-wise max, "
                              "renormalised (default), or the head with the highest peak")

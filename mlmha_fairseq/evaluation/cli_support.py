@@ -100,3 +100,21 @@ def run(parser: argparse.ArgumentParser, body, argv=None) -> None:
         body(parser, args)
     except InputError as error:
         parser.error(str(error))
+
+
+def add_sentence_selection(parser: argparse.ArgumentParser, default_seed: int, sample_note: str = "") -> None:
+    """Which source sentences an analysis of checkpoints reads: ``--input`` text (with
+    ``--bpe-codes``) or a binarized ``--split`` of ``--data-bin``, optionally a ``--sample``;
+    read back with :func:`mlmha_fairseq.evaluation.model_loading.read_sentences`."""
+    parser.add_argument("--data-bin", help="data directory with the dictionaries (and --split) "
+                                           "(default: the one stored in the checkpoint)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="source sentences, tokenized (and BPE-segmented unless "
+                                        "--bpe-codes)")
+    source.add_argument("--split", help="a binarized split of the data directory, e.g. test")
+    parser.add_argument("--bpe-codes", help="subword-nmt codes to apply to --input")
+    parser.add_argument("--sample", type=int,
+                        help=f"analyse this many random sentences (default: all{sample_note})")
+    parser.add_argument("--seed", type=int, default=default_seed,
+                        help="sampling seed (default: %(default)s)")
+

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from fairseq.models import register_model, register_model_architecture
-from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase
+from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import LayerNorm
 from fairseq.utils import safe_getattr
 
@@ -55,7 +55,7 @@ from .slot_transformer import (
     SlotTransformerDecoder,
     SlotTransformerDecoderLayer,
     SlotTransformerModel,
-    _next_layer_index,
+    next_layer_index,
     slot_transformer,
     wrap_layer,
 )
@@ -240,7 +240,7 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
         num_aux = _fusion_inputs(cfg)
         if not num_aux:
             return super().build_decoder_layer(cfg, no_encoder_attn)
-        layer = AIFDecoderLayer(cfg, _next_layer_index(self), num_aux, no_encoder_attn)
+        layer = AIFDecoderLayer(cfg, next_layer_index(self), num_aux, no_encoder_attn)
         return wrap_layer(layer, cfg)
 
     def _check_compatible(self, cfg, no_encoder_attn: bool):
@@ -332,6 +332,8 @@ class MultiLevelSupervisionModel(SlotTransformerModel):
     ch. 4): auxiliary decoders on lower encoder layers, optional AIF; see
     :mod:`mlmha_fairseq.models.multi_level_supervision`."""
 
+    decoder_class = MultiLevelSupervisionDecoder
+
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -342,12 +344,6 @@ class MultiLevelSupervisionModel(SlotTransformerModel):
         ms_transformer(args)  # complete options of checkpoints written by older versions
         return super().build_model(args, task)
 
-    @classmethod
-    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
-        cfg = TransformerConfig.from_namespace(cfg)
-        return MultiLevelSupervisionDecoder(
-            cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
-        )
 
 
 @register_model_architecture("ms_transformer", "ms_transformer")

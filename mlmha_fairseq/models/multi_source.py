@@ -51,7 +51,7 @@ from .slot_transformer import (
     SlotTransformerDecoderLayer,
     SlotTransformerEncoder,
     SlotTransformerModel,
-    _next_layer_index,
+    next_layer_index,
     slot_transformer,
     wrap_layer,
 )
@@ -199,7 +199,7 @@ class MultiSourceDecoder(SlotTransformerDecoder):
     memories and masks through fairseq's own layer loop."""
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        layer = MultiSourceDecoderLayer(cfg, _next_layer_index(self), no_encoder_attn)
+        layer = MultiSourceDecoderLayer(cfg, next_layer_index(self), no_encoder_attn)
         return wrap_layer(layer, cfg)
 
     def cross_attention_memory(self, encoder_out):
@@ -244,6 +244,7 @@ class MultiSourceTransformerModel(SlotTransformerModel):
     """Multi-source Transformer (Libovický et al., WMT 2018); see the module docstring."""
 
     is_multi_source = True  # checked by the multi_source_translation task
+    decoder_class = MultiSourceDecoder
 
     @classmethod
     def add_args(cls, parser):
@@ -284,9 +285,6 @@ class MultiSourceTransformerModel(SlotTransformerModel):
             encoders.append(SlotTransformerEncoder(cfg, src_dict, tokens))
         return MultiSourceEncoder(src_dict, encoders, safe_getattr(cfg, NAMES), primary)
 
-    @classmethod
-    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
-        return MultiSourceDecoder(TransformerConfig.from_namespace(cfg), tgt_dict, embed_tokens)
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, multi_source_inputs=None,
                 multi_source_lengths=None, return_all_hiddens: bool = True,

@@ -62,7 +62,7 @@ def wrap_layer(layer, cfg):
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
 
 
-def _next_layer_index(stack) -> int:
+def next_layer_index(stack) -> int:
     """Index of the layer being built: fairseq builds a stack's layers in a list
     comprehension that does not pass the index to ``build_*_layer``."""
     index = getattr(stack, "_num_built_layers", 0)
@@ -112,7 +112,7 @@ class SlotTransformerEncoder(TransformerEncoderBase):
         check_distinct_outputs(self.memories)
 
     def build_encoder_layer(self, cfg):
-        layer = SlotTransformerEncoderLayer(cfg, _next_layer_index(self), return_fc=self.return_fc)
+        layer = SlotTransformerEncoderLayer(cfg, next_layer_index(self), return_fc=self.return_fc)
         return wrap_layer(layer, cfg)
 
     def forward(
@@ -169,7 +169,7 @@ class SlotTransformerDecoder(TransformerDecoderBase):
         self.output_fusion = DECODER_OUTPUT.build(cfg, num_layers=self.num_layers)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        layer = SlotTransformerDecoderLayer(cfg, _next_layer_index(self), no_encoder_attn)
+        layer = SlotTransformerDecoderLayer(cfg, next_layer_index(self), no_encoder_attn)
         return wrap_layer(layer, cfg)
 
     def _memory_key(self) -> str:
@@ -243,7 +243,10 @@ def _check_replaced_memory_is_read(model):
 @register_model("slot_transformer")
 class SlotTransformerModel(TransformerModel):
     """fairseq's transformer (Vaswani et al., 2017) with slots for this package's
-    mechanisms; see :mod:`mlmha_fairseq.models.slot_transformer`."""
+    mechanisms; see :mod:`mlmha_fairseq.models.slot_transformer`. Subclasses that need
+    another decoder set ``decoder_class``."""
+
+    decoder_class = SlotTransformerDecoder
 
     @classmethod
     def add_args(cls, parser):
@@ -265,9 +268,7 @@ class SlotTransformerModel(TransformerModel):
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         cfg = TransformerConfig.from_namespace(cfg)
-        return SlotTransformerDecoder(
-            cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
-        )
+        return cls.decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
 
 @register_model_architecture("slot_transformer", "slot_transformer")
