@@ -183,7 +183,8 @@ class LayerFusion(nn.Module):
         stacked = torch.stack(states[self.first_layer:])  # K x T x B x C
         rows = None
         if self.layer_embedding is not None:
-            rows = self.layer_embedding.weight[self.first_layer : len(states)]  # K x C
+            layers = torch.arange(self.first_layer, len(states), device=stacked.device)
+            rows = self.layer_embedding(layers)  # K x C
         return self.fusion(stacked, rows)
 
 
