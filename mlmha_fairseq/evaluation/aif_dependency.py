@@ -19,13 +19,12 @@ output gives the same distributions as stepping both decoders along it (the deco
 causal; tests/test_multi_level_supervision.py checks incremental == full forward).
 """
 import contextlib
-import functools
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from mlmha_fairseq.evaluation.attention_statistics import record_head_weights
+from mlmha_fairseq.evaluation.attention_statistics import recording_attention
 from mlmha_fairseq.evaluation.plotting import BAR_FIGSIZE, pyplot, save_figure
 from mlmha_fairseq.evaluation.text_io import InputError
 
@@ -54,20 +53,9 @@ def ind_decoder(model):
         decoder.zero_aif = zero_aif
 
 
-@contextlib.contextmanager
 def recording_cross_attention(model):
-    """Within the context, each decoder forward fills ``records[l]`` with the Main-Decoder
-    layer l's ``[heads, batch, tgt, src]`` encoder-decoder attention probabilities."""
-    layers = list(model.decoder.layers)
-    records = [None] * len(layers)
-    handles = [layer.encoder_attn.register_forward_hook(
-        functools.partial(record_head_weights, records, index), with_kwargs=True)
-        for index, layer in enumerate(layers)]
-    try:
-        yield records
-    finally:
-        for handle in handles:
-            handle.remove()
+    """:func:`recording_attention` of every Main-Decoder layer's encoder-decoder attention."""
+    return recording_attention([layer.encoder_attn for layer in model.decoder.layers])
 
 
 def greedy_hypotheses(model, src_tokens, src_lengths, tgt_dict, max_len_a: float,

@@ -141,19 +141,23 @@ def record_head_weights(records: list, index: int, module, args, kwargs, _output
 
 
 @contextlib.contextmanager
-def recording_self_attention(model):
-    """Within the context, each encoder forward fills ``records[l]`` with layer l's
-    ``[heads, batch, tgt, src]`` self-attention probabilities."""
-    layers = encoder_layers(model)
-    records = [None] * len(layers)
-    handles = [layer.self_attn.register_forward_hook(
+def recording_attention(modules):
+    """Within the context, each forward of ``modules[i]`` (fairseq ``MultiheadAttention``s)
+    fills ``records[i]`` with its ``[heads, batch, tgt, src]`` attention probabilities."""
+    records = [None] * len(modules)
+    handles = [module.register_forward_hook(
         functools.partial(record_head_weights, records, index), with_kwargs=True)
-        for index, layer in enumerate(layers)]
+        for index, module in enumerate(modules)]
     try:
         yield records
     finally:
         for handle in handles:
             handle.remove()
+
+
+def recording_self_attention(model):
+    """:func:`recording_attention` of every encoder layer's self-attention."""
+    return recording_attention([layer.self_attn for layer in encoder_layers(model)])
 
 
 def _kept_positions(tokens: torch.Tensor, pad: int, eos: int, exclude_eos: bool) -> torch.Tensor:
