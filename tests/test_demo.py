@@ -33,17 +33,28 @@ def test_demo_trains_decodes_scores_and_tests_significance(tmp_path, capsys):
     assert "| system | BLEU |" in printed and "Example translations" in printed
 
 
-def test_full_demo_adds_the_multi_source_table_with_the_adversarial_column(tmp_path):
-    demo.main(["--full", "--systems", demo.BASELINE, "--work-dir", str(tmp_path / "work"),
-               "--corpus-dir", tiny_corpus(tmp_path, "fr"), "--multi-source-langs", "es,fr",
+def test_multi_source_table_with_every_source_deranged_in_turn(tmp_path):
+    demo.main(["--multi-source-only", "--work-dir", str(tmp_path / "work"), "--multi-source-langs", "es,fr",
                "--multi-source-corpus-dir", tiny_corpus(tmp_path, "es", "fr"),
                "--max-update", "2", "--beam", "1"])
     stages = json.loads((tmp_path / "work" / "results.json").read_text())["stages"]
-    assert list(stages["fr->en"]["bleu"]) == [demo.BASELINE]
+    assert list(stages) == ["es+fr->en"]
     multi = stages["es+fr->en"]
-    expected = ["fr only"] + [f"es+fr {strategy}" for strategy in demo.STRATEGIES]
-    assert list(multi["bleu"]) == list(multi["adversarial_bleu"]) == expected
-    assert "fr deranged" in (tmp_path / "work" / "results.md").read_text()
+    strategies = [f"es+fr {strategy}" for strategy in demo.STRATEGIES]
+    assert list(multi["bleu"]) == ["fr only"] + strategies
+    assert list(multi["adversarial_bleu"]["fr"]) == ["fr only"] + strategies
+    assert list(multi["adversarial_bleu"]["es"]) == strategies  # the baseline does not read es
+    table = (tmp_path / "work" / "results.md").read_text()
+    assert "BLEU, es deranged | BLEU, fr deranged |" in table
+    assert "2 updates of 96 sentences each" in table  # the same sentences per update for every system
+    assert table.count("—") == 1
+
+
+def test_multi_source_table_needs_the_baseline_source(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args(["--multi-source-only", "--multi-source-langs", "es,de"])
+    assert exit_info.value.code == 2
+    assert "--multi-source-langs must include fr" in capsys.readouterr().err
 
 
 def test_unknown_system_is_refused():

@@ -16,7 +16,7 @@ from fairseq_helpers import (
 )
 from mlmha_fairseq.evaluation.attention_statistics import encoder_attention_statistics
 from mlmha_fairseq.evaluation.fi_diversity import fi_diversity, js_divergence, reduce_heads
-from mlmha_fairseq.models.dual_contextual import parse_layers
+from mlmha_fairseq.models.layer_selection import parse_layers
 from mlmha_fairseq.modules.dual_contextual import DualContextual, LocalContextualUnit
 
 PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
@@ -153,13 +153,13 @@ def test_paper_size_enc_dc_adds_the_theses_parameters():
      ("1,3,5-6", [0, 2, 4, 5]), ("2", [1]), ("1-1", [0]), ("ALL", [0, 1, 2, 3, 4, 5])],
 )
 def test_layer_ranges(value, expected):
-    assert sorted(parse_layers(value, 6, "--dc-encoder-layers")) == expected
+    assert sorted(parse_layers(value, 6, "--dc-encoder-layers", "encoder")) == expected
 
 
 @pytest.mark.parametrize(
     "options, message",
-    [(["--dc-encoder-layers", "2-4"], r"--dc-encoder-layers '2-4': 2-4 is not a range within 1\.\.3"),
-     (["--dc-decoder-layers", "3"], r"--dc-decoder-layers '3': 3 is not a range within 1\.\.2"),
+    [(["--dc-encoder-layers", "2-4"], r"--dc-encoder-layers '2-4': 2-4 is not a range of encoder layers within 1\.\.3"),
+     (["--dc-decoder-layers", "3"], r"--dc-decoder-layers '3': 3 is not a range of decoder layers within 1\.\.2"),
      (["--dc-encoder-layers", "0"], "--dc-encoder-layers '0'"),
      (["--dc-encoder-layers", "3-1"], "--dc-encoder-layers '3-1'"),
      (["--dc-encoder-layers", "first"], "expected none, all, or 1-based layers"),

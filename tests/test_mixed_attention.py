@@ -276,7 +276,7 @@ def test_mma_layers_keep_fairseq_attention_elsewhere():
         (mixed("G", "L") + ["--mma-layers", "0"], "not a range of encoder layers within 1..3"),
         (mixed("G", "L") + ["--mma-layers", "2-4"], "not a range of encoder layers within 1..3"),
         (mixed("G", "L") + ["--mma-layers", "3-1"], "not a range of encoder layers"),
-        (mixed("G", "L") + ["--mma-layers", "first"], "expected 'all' or 1-based layers"),
+        (mixed("G", "L") + ["--mma-layers", "first"], "expected none, all, or 1-based layers"),
     ],
 )
 def test_bad_configurations_are_refused_with_a_clear_message(options, message):

@@ -14,8 +14,9 @@ Steps, each printed with the command it runs:
 
 ``--full`` runs the longer version: more data and updates, every system, and a second table:
 the multi-source Transformer over es+fr+de -> en with each combination strategy against the
-same model given French alone, each also decoded with French replaced by a fixed-seed
-derangement of the test set (the adversarial evaluation).
+same model given French alone, each also decoded with one source at a time replaced by a
+fixed-seed derangement of the test set (the adversarial evaluation).
+``--multi-source-only`` runs that second table alone (with the quick settings unless ``--full``).
 Usage: ``python -m mlmha_fairseq.cli.demo --help``.
 """
 import argparse
@@ -47,6 +48,12 @@ class System:
     options: List[str] = field(default_factory=list)
     full_only: bool = False
     task_options: List[str] = field(default_factory=list)  # for fairseq-train and -generate
+
+    def reads(self, source: str) -> bool:
+        """Whether this multi-source system has ``source`` among its --source-langs."""
+        if "--source-langs" not in self.task_options:
+            return False
+        return source in self.task_options[self.task_options.index("--source-langs") + 1].split(",")
 
 
 MLMHA = ["--decoder-cross-attention", "multi-layer"]
@@ -95,7 +102,10 @@ MODEL = [
 # (train verses, BPE merges, updates) of the quick and the full demo
 QUICK = dict(train_verses=10000, bpe_merges=4000, max_update=400)
 FULL = dict(train_verses=None, bpe_merges=8000, max_update=3000)
-MAX_TOKENS = 4096  # per batch
+# (option, size, unit) of a batch. The multi-source table batches sentences, as the paper
+# (M13): a token budget would give the three-source systems a third of the sentences per update.
+TOKEN_BATCHES = ("--max-tokens", 4096, "tokens")
+SENTENCE_BATCHES = ("--batch-size", 96, "sentences")
 
 
 def run(command: List[str], log_name: str, work_dir: str) -> None:
@@ -126,13 +136,14 @@ def build_corpus(sources, corpus_dir: str, settings: dict, work_dir: str) -> Non
         f"corpus-{'-'.join(sources)}", work_dir)
 
 
-def train(system: System, data_bin: str, save_dir: str, max_update: int, seed: int, work_dir: str):
+def train(system: System, data_bin: str, save_dir: str, max_update: int, seed: int, work_dir: str,
+          batching: Tuple[str, int, str]):
     run(fairseq(
         "train", data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch, *MODEL,
         "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "2e-3",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", max(1, max_update // 5),
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--max-tokens", MAX_TOKENS, "--max-update", max_update, "--save-dir", save_dir,
+        *batching[:2], "--max-update", max_update, "--save-dir", save_dir,
         "--no-epoch-checkpoints", "--no-last-checkpoints",
         "--seed", seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
         *system.options,  # last: a system may replace the criterion
@@ -155,23 +166,24 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
-def results_table(scores, significance, baseline: str, n_updates: int, signature: str,
-                  extra_column=None) -> str:
+def results_table(scores, significance, baseline: str, budget: str, signature: str,
+                  extra_columns=None) -> str:
     """Markdown: BLEU with significance marks, gain and p-value against ``baseline``;
-    ``extra_column`` = (title, {system: value}) adds a column."""
+    ``extra_columns`` = {title: {system: value}} adds columns ("—" where a system has no value)."""
     p_values = {r.system: r for r in significance}
-    title, values = extra_column or ("", {})
-    lines = ["| system | BLEU | Δ | p (paired bootstrap) |" + (f" {title} |" if title else ""),
-             "|---|---|---|---|" + ("---|" if title else "")]
+    extra_columns = extra_columns or {}
+    lines = ["| system | BLEU | Δ | p (paired bootstrap) |" + "".join(f" {title} |" for title in extra_columns),
+             "|---|---|---|---|" + "---|" * len(extra_columns)]
     for name, score in scores.items():
         if name == baseline:
             row = f"| {name} | {score:.2f} | | |"
         else:
             result = p_values[name]
             row = f"| {name} | {score:.2f}{result.mark} | {score - scores[baseline]:+.2f} | {result.p_value:.3f} |"
-        lines.append(row + (f" {values[name]:.2f} |" if title else ""))
+        extra = [f"{values[name]:.2f}" if name in values else "—" for values in extra_columns.values()]
+        lines.append(row + "".join(f" {value} |" for value in extra))
     lines.append("")
-    lines.append(f"{n_updates} updates each; sacreBLEU {signature}; † p<0.05, ‡ p<0.01 against "
+    lines.append(f"{budget} each; sacreBLEU {signature}; † p<0.05, ‡ p<0.01 against "
                  f"{baseline} (sacreBLEU paired bootstrap, 1,000 resamples)")
     return "\n".join(lines)
 
@@ -184,16 +196,22 @@ def parse_args(argv=None):
                              "sides) instead of building one in the work directory")
     parser.add_argument("--full", action="store_true",
                         help="longer version: all training verses, more updates, every system")
+    parser.add_argument("--multi-source-only", action="store_true",
+                        help="run only the multi-source table (the quick settings unless --full)")
     parser.add_argument("--multi-source-corpus-dir",
-                        help="with --full: use this N-way corpus (sources --multi-source-langs) "
-                             "instead of building one")
+                        help="with --full or --multi-source-only: use this N-way corpus "
+                             "(sources --multi-source-langs) instead of building one")
     parser.add_argument("--multi-source-langs", default=",".join(MULTI_SOURCE_LANGS),
-                        help="with --full: the sources of the multi-source table (default: %(default)s)")
+                        help="with --full or --multi-source-only: the sources of the multi-source "
+                             f"table, {SOURCE} among them (default: %(default)s)")
     parser.add_argument("--max-update", type=int, help="training updates per system (overrides the preset)")
     parser.add_argument("--systems", help="comma-separated system names to run (the baseline is always run)")
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if SOURCE not in args.multi_source_langs.split(","):
+        parser.error(f"--multi-source-langs must include {SOURCE}, the single-source baseline's source")
+    return args
 
 
 def chosen_systems(args) -> List[System]:
@@ -209,8 +227,9 @@ def chosen_systems(args) -> List[System]:
 class Stage:
     """One corpus, its systems trained with the same budget, one results table."""
 
-    def __init__(self, name: str, corpus: str, args, settings: dict):
+    def __init__(self, name: str, corpus: str, args, settings: dict, batching: Tuple[str, int, str]):
         self.name, self.corpus, self.args, self.settings = name, corpus, args, settings
+        self.batching = batching
         self.data_bin = os.path.join(corpus, "data-bin")
         self.references = read_lines(os.path.join(corpus, "text", f"test.raw.{TARGET}"))
         self.sources = read_lines(os.path.join(corpus, "text", f"test.raw.{SOURCE}"))
@@ -231,29 +250,34 @@ class Stage:
         logger.info("%s: system %d/%d %s: train %d updates, decode", self.name, number, total,
                     system.name, self.settings["max_update"])
         save_dir = os.path.join(self.args.work_dir, "checkpoints", name)
-        train(system, self.data_bin, save_dir, self.settings["max_update"], self.args.seed, self.args.work_dir)
+        train(system, self.data_bin, save_dir, self.settings["max_update"], self.args.seed, self.args.work_dir,
+              self.batching)
         checkpoint = os.path.join(save_dir, "checkpoint_best.pt")
         output = os.path.join(self.args.work_dir, "outputs", name)
         translate(system, self.data_bin, checkpoint, output, self.args.beam, self.args.work_dir)
         return checkpoint, output
 
-    def run(self, systems: List[System], adversarial_source: str = None) -> str:
-        """Every system, then significance against the first; the table and examples."""
-        hypotheses, scores, adversarial = {}, {}, {}
+    def run(self, systems: List[System], adversarial_sources=()) -> str:
+        """Every system, then significance against the first; the table and examples.
+        Each of ``adversarial_sources`` that a system reads is also deranged in turn."""
+        hypotheses, scores = {}, {}
+        adversarial = {source: {} for source in adversarial_sources}
         for number, system in enumerate(systems, 1):
             checkpoint, output = self.train_and_decode(system, number, len(systems))
             hypotheses[system.name], scores[system.name] = self.score(output)
-            if adversarial_source:
-                translate(system, self.data_bin, checkpoint, output + "-adversarial", self.args.beam,
-                          self.args.work_dir, "--adversarial-source", adversarial_source)
-                adversarial[system.name] = self.score(output + "-adversarial")[1]
+            for source in filter(system.reads, adversarial_sources):
+                deranged = f"{output}-adversarial-{source}"
+                translate(system, self.data_bin, checkpoint, deranged, self.args.beam,
+                          self.args.work_dir, "--adversarial-source", source)
+                adversarial[source][system.name] = self.score(deranged)[1]
         baseline = systems[0].name
         logger.info("%s: significance against %s", self.name, baseline)
         others = [(name, hyps) for name, hyps in hypotheses.items() if name != baseline]
         significance, _ = compare_systems(hypotheses[baseline], others, [self.references], self.protocol,
                                           [SIGNIFICANCE_METHOD], SignificanceOptions())
-        column = (f"BLEU, {adversarial_source} deranged", adversarial) if adversarial_source else None
-        table = results_table(scores, significance, baseline, self.settings["max_update"], self.signature, column)
+        columns = {f"BLEU, {source} deranged": values for source, values in adversarial.items()}
+        budget = f"{self.settings['max_update']} updates of {self.batching[1]:,} {self.batching[2]}"
+        table = results_table(scores, significance, baseline, budget, self.signature, columns)
         examples = "\n\n".join(
             f"source:    {self.sources[i]}\nreference: {self.references[i]}\n"
             + "\n".join(f"{name + ':':<24} {hyps[i]}" for name, hyps in hypotheses.items())
@@ -282,13 +306,16 @@ def main(argv=None):
         settings["max_update"] = args.max_update
     start = time.time()
 
-    stages = [Stage(f"{SOURCE}->{TARGET}", prepared_corpus([SOURCE], args.corpus_dir, args, settings), args, settings)]
-    reports = [stages[0].run(chosen_systems(args))]
-    if args.full:
+    stages, reports = [], []
+    if not args.multi_source_only:
+        stages.append(Stage(f"{SOURCE}->{TARGET}", prepared_corpus([SOURCE], args.corpus_dir, args, settings),
+                            args, settings, TOKEN_BATCHES))
+        reports.append(stages[-1].run(chosen_systems(args)))
+    if args.full or args.multi_source_only:
         langs = args.multi_source_langs.split(",")
         corpus = prepared_corpus(langs, args.multi_source_corpus_dir, args, settings)
-        stages.append(Stage(f"{'+'.join(langs)}->{TARGET}", corpus, args, settings))
-        reports.append(stages[1].run(multi_source_systems(langs), adversarial_source=SOURCE))
+        stages.append(Stage(f"{'+'.join(langs)}->{TARGET}", corpus, args, settings, SENTENCE_BATCHES))
+        reports.append(stages[-1].run(multi_source_systems(langs), adversarial_sources=langs))
 
     with open(os.path.join(args.work_dir, "results.md"), "w") as f:
         f.write("\n".join(reports))

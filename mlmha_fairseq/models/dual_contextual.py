@@ -20,20 +20,16 @@ follows the layer: post-norm (fairseq's default, the thesis' Eqs. 5.4-5.7) or, w
 
 Presets: ``dc_transformer_iwslt``, ``dc_transformer_wmt_en_de`` (Table 5.1).
 """
-import re
-from typing import FrozenSet
-
 from fairseq.models import register_model_architecture
 from fairseq.utils import safe_getattr
 
 from ..modules.dual_contextual import DualContextual
+from .layer_selection import ALL_LAYERS, NO_LAYERS, parse_layers
 from .presets import thesis_base, thesis_small
 from .slots import DECODER_SELF_ATTENTION, ENCODER_SELF_ATTENTION, register_options
 
 DUAL_CONTEXTUAL = "dual-contextual"
-NO_LAYERS, ALL_LAYERS = "none", "all"
 DEFAULT_KERNEL_SIZE = 2  # spec §4.1: the parameter counts of Table 5.2 fit f = 2
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 def add_args(parser):
@@ -60,29 +56,6 @@ def set_defaults(args):
 register_options(add_args, set_defaults)
 
 
-def parse_layers(value: str, num_layers: int, option: str) -> FrozenSet[int]:
-    """0-based indices of the layers named by ``value`` (``none``, ``all``, ``2``, ``1-3``,
-    ``1,3,5-6``; 1-based, ranges inclusive) in a stack of ``num_layers``."""
-    value = value.strip().lower()
-    if value == NO_LAYERS:
-        return frozenset()
-    if value == ALL_LAYERS:
-        return frozenset(range(num_layers))
-    layers = set()
-    for part in value.split(","):
-        match = _RANGE.match(part.strip())
-        if match is None:
-            raise ValueError(f"{option} {value!r}: expected none, all, or 1-based layers and "
-                             "ranges such as 1-3 or 1,3,5-6")
-        first = int(match.group(1))
-        last = int(match.group(2) or first)
-        if not 1 <= first <= last <= num_layers:
-            raise ValueError(f"{option} {value!r}: {part.strip()} is not a range within "
-                             f"1..{num_layers} (the stack has {num_layers} layers)")
-        layers.update(range(first - 1, last))
-    return frozenset(layers)
-
-
 def _kernel_size(cfg) -> int:
     kernel_size = safe_getattr(cfg, "dc_kernel_size")
     if kernel_size is None:
@@ -96,7 +69,7 @@ def _build(cfg, side: str, layer_idx: int, embed_dim: int):
     """The DC module for ``layer_idx`` of ``side`` ("encoder"/"decoder"), or None."""
     option = f"--dc-{side}-layers"
     value = safe_getattr(cfg, f"dc_{side}_layers") or NO_LAYERS
-    if layer_idx not in parse_layers(value, getattr(cfg, side).layers, option):
+    if layer_idx not in parse_layers(value, getattr(cfg, side).layers, option, side):
         return None
     return DualContextual(
         embed_dim, getattr(cfg, side).attention_heads, _kernel_size(cfg),

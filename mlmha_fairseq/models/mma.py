@@ -14,23 +14,21 @@ Presets: ``mma_transformer_iwslt_de_en`` (IWSLT14 De-En, Tables 2-5) and
 """
 import functools
 import logging
-import re
-from typing import FrozenSet, Tuple
+from typing import Tuple
 
 from fairseq.models import register_model_architecture
 from fairseq.models.transformer.transformer_legacy import transformer_iwslt_de_en
 from fairseq.utils import safe_getattr
 
 from ..modules.mixed_attention import HEAD_TYPES, MixedMultiheadAttention
+from .layer_selection import ALL_LAYERS, parse_layers
 from .slot_transformer import slot_transformer
 from .slots import ENCODER_SELF_ATTENTION, register_model_hook, register_options
 
 logger = logging.getLogger(__name__)
 
 MIXED = "mixed"
-ALL_LAYERS = "all"
 DEFAULT_WINDOW = 1  # Table 5: w = 1 is best and is the main result's setting
-_LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 def add_args(parser):
@@ -44,7 +42,7 @@ def add_args(parser):
                         help=f"window of the local heads: query i sees keys i-W..i+W, in tokens "
                              f"of the model's input, EOS included (default: {DEFAULT_WINDOW})")
     parser.add_argument("--mma-layers", metavar="LAYERS",
-                        help="encoder layers with MMA, 1-based: 'all' (default) or a list of "
+                        help="encoder layers with MMA, 1-based: 'all' (default), 'none' or a list of "
                              "layers and ranges such as 1-3,6; the others keep fairseq's "
                              "self-attention")
     parser.add_argument("--encoder-no-token-positional-embeddings", action="store_true",
@@ -92,27 +90,6 @@ def default_head_types(num_heads: int) -> Tuple[str, ...]:
     return head_types
 
 
-def parse_layers(spec: str, num_layers: int) -> FrozenSet[int]:
-    """``"all"`` or ``"1-3,6"`` (1-based, inclusive) -> 0-based layer indices."""
-    if spec.strip().lower() == ALL_LAYERS:
-        return frozenset(range(num_layers))
-    layers = set()
-    for item in spec.split(","):
-        match = _LAYER_ITEM.match(item.strip())
-        if match is None:
-            raise ValueError(
-                f"--mma-layers {spec!r}: expected 'all' or 1-based layers and ranges such as 1-3,6"
-            )
-        first, last = int(match[1]), int(match[2] or match[1])
-        if not 1 <= first <= last <= num_layers:
-            raise ValueError(
-                f"--mma-layers {spec!r}: {item.strip()} is not a range of encoder layers "
-                f"within 1..{num_layers}"
-            )
-        layers.update(range(first - 1, last))
-    return frozenset(layers)
-
-
 def _window(cfg) -> int:
     window = safe_getattr(cfg, "mma_local_window")
     window = DEFAULT_WINDOW if window is None else window
@@ -131,7 +108,8 @@ def _head_types(cfg) -> Tuple[str, ...]:
 def build_mixed_attention(cfg, layer_idx, embed_dim):
     """MMA in the layers of ``--mma-layers``; None (fairseq's attention) elsewhere."""
     head_types, window = _head_types(cfg), _window(cfg)
-    if layer_idx not in parse_layers(safe_getattr(cfg, "mma_layers") or ALL_LAYERS, cfg.encoder.layers):
+    if layer_idx not in parse_layers(safe_getattr(cfg, "mma_layers") or ALL_LAYERS, cfg.encoder.layers,
+                                      "--mma-layers", "encoder"):
         return None
     return MixedMultiheadAttention(
         embed_dim, cfg.encoder.attention_heads, head_types, window,
