@@ -57,6 +57,17 @@ def test_multi_source_table_needs_the_baseline_source(capsys):
     assert "--multi-source-langs must include fr" in capsys.readouterr().err
 
 
-def test_unknown_system_is_refused():
-    with pytest.raises(SystemExit, match="unknown system"):
-        demo.chosen_systems(demo.parse_args(["--systems", "No Such System"]))
+def test_unknown_system_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args(["--systems", "No Such System"])
+    assert exit_info.value.code == 2
+    assert "unknown system(s) ['No Such System']" in capsys.readouterr().err
+
+
+def test_systems_pick_from_either_table():
+    args = demo.parse_args(["--full", "--systems", "MMA,fr only,es+fr+de flat"])
+    assert [s.name for s in demo.chosen_systems(args, demo.SYSTEMS)] == [demo.BASELINE, "MMA"]
+    multi = demo.multi_source_systems(demo.MULTI_SOURCE_LANGS)
+    assert [s.name for s in demo.chosen_systems(args, multi)] == ["fr only", "es+fr+de flat"]
+    args = demo.parse_args(["--full", "--systems", "MMA"])  # names none of the second table: all of it
+    assert demo.chosen_systems(args, multi) == multi

@@ -205,23 +205,29 @@ def parse_args(argv=None):
                         help="with --full or --multi-source-only: the sources of the multi-source "
                              f"table, {SOURCE} among them (default: %(default)s)")
     parser.add_argument("--max-update", type=int, help="training updates per system (overrides the preset)")
-    parser.add_argument("--systems", help="comma-separated system names to run (the baseline is always run)")
+    parser.add_argument("--systems",
+                        help="comma-separated system names of either table to run; a table runs its "
+                             "baseline and the systems named, or all of them when none is named")
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    if SOURCE not in args.multi_source_langs.split(","):
+    langs = args.multi_source_langs.split(",")
+    if SOURCE not in langs:
         parser.error(f"--multi-source-langs must include {SOURCE}, the single-source baseline's source")
+    known = [system.name for system in SYSTEMS + multi_source_systems(langs)]
+    unknown = {name.strip() for name in (args.systems or "").split(",") if name.strip()} - set(known)
+    if unknown:
+        parser.error(f"unknown system(s) {sorted(unknown)}; known: {known}")
     return args
 
 
-def chosen_systems(args) -> List[System]:
-    if args.systems:
-        names = {n.strip() for n in args.systems.split(",")} | {BASELINE}
-        unknown = names - {s.name for s in SYSTEMS}
-        if unknown:
-            sys.exit(f"error: unknown system(s) {sorted(unknown)}; known: {[s.name for s in SYSTEMS]}")
-        return [s for s in SYSTEMS if s.name in names]
-    return [s for s in SYSTEMS if args.full or not s.full_only]
+def chosen_systems(args, systems: List[System]) -> List[System]:
+    """The systems of one table to run: its baseline (the first) and those --systems names,
+    or, when it names none of them, the table's systems of this run (--full: all)."""
+    names = {name.strip() for name in (args.systems or "").split(",")}
+    if names & {system.name for system in systems}:
+        return [system for number, system in enumerate(systems) if number == 0 or system.name in names]
+    return [system for system in systems if args.full or not system.full_only]
 
 
 class Stage:
@@ -310,12 +316,12 @@ def main(argv=None):
     if not args.multi_source_only:
         stages.append(Stage(f"{SOURCE}->{TARGET}", prepared_corpus([SOURCE], args.corpus_dir, args, settings),
                             args, settings, TOKEN_BATCHES))
-        reports.append(stages[-1].run(chosen_systems(args)))
+        reports.append(stages[-1].run(chosen_systems(args, SYSTEMS)))
     if args.full or args.multi_source_only:
         langs = args.multi_source_langs.split(",")
         corpus = prepared_corpus(langs, args.multi_source_corpus_dir, args, settings)
         stages.append(Stage(f"{'+'.join(langs)}->{TARGET}", corpus, args, settings, SENTENCE_BATCHES))
-        reports.append(stages[-1].run(multi_source_systems(langs), adversarial_sources=langs))
+        reports.append(stages[-1].run(chosen_systems(args, multi_source_systems(langs)), adversarial_sources=langs))
 
     with open(os.path.join(args.work_dir, "results.md"), "w") as f:
         f.write("\n".join(reports))
