@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, Set, Tuple
 
 import mlmha_fairseq
 from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
@@ -48,12 +48,7 @@ class System:
     options: List[str] = field(default_factory=list)
     full_only: bool = False
     task_options: List[str] = field(default_factory=list)  # for fairseq-train and -generate
-
-    def reads(self, source: str) -> bool:
-        """Whether this multi-source system has ``source`` among its --source-langs."""
-        if "--source-langs" not in self.task_options:
-            return False
-        return source in self.task_options[self.task_options.index("--source-langs") + 1].split(",")
+    sources: Tuple[str, ...] = ()  # of a multi-source system (its --source-langs)
 
 
 MLMHA = ["--decoder-cross-attention", "multi-layer"]
@@ -85,7 +80,7 @@ def multi_source_systems(langs) -> List[System]:
         task = ["--task", "multi_source_translation", "--source-langs", ",".join(sources),
                 "--target-lang", TARGET]
         return System(name, "multi_source_transformer", ["--combination-strategy", strategy],
-                      task_options=task)
+                      task_options=task, sources=tuple(sources))
 
     return [system(f"{SOURCE} only", [SOURCE], "serial")] + [
         system(f"{'+'.join(langs)} {strategy}", langs, strategy) for strategy in STRATEGIES
@@ -215,16 +210,20 @@ def parse_args(argv=None):
     if SOURCE not in langs:
         parser.error(f"--multi-source-langs must include {SOURCE}, the single-source baseline's source")
     known = [system.name for system in SYSTEMS + multi_source_systems(langs)]
-    unknown = {name.strip() for name in (args.systems or "").split(",") if name.strip()} - set(known)
+    unknown = named_systems(args) - set(known)
     if unknown:
         parser.error(f"unknown system(s) {sorted(unknown)}; known: {known}")
     return args
 
 
+def named_systems(args) -> Set[str]:
+    return {name.strip() for name in (args.systems or "").split(",") if name.strip()}
+
+
 def chosen_systems(args, systems: List[System]) -> List[System]:
     """The systems of one table to run: its baseline (the first) and those --systems names,
     or, when it names none of them, the table's systems of this run (--full: all)."""
-    names = {name.strip() for name in (args.systems or "").split(",")}
+    names = named_systems(args)
     if names & {system.name for system in systems}:
         return [system for number, system in enumerate(systems) if number == 0 or system.name in names]
     return [system for system in systems if args.full or not system.full_only]
@@ -271,7 +270,7 @@ class Stage:
         for number, system in enumerate(systems, 1):
             checkpoint, output = self.train_and_decode(system, number, len(systems))
             hypotheses[system.name], scores[system.name] = self.score(output)
-            for source in filter(system.reads, adversarial_sources):
+            for source in [source for source in adversarial_sources if source in system.sources]:
                 deranged = f"{output}-adversarial-{source}"
                 translate(system, self.data_bin, checkpoint, deranged, self.args.beam,
                           self.args.work_dir, "--adversarial-source", source)
