@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Set, Tuple
+from typing import List, NamedTuple, Set, Tuple
 
 import mlmha_fairseq
 from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
@@ -97,10 +97,16 @@ MODEL = [
 # (train verses, BPE merges, updates) of the quick and the full demo
 QUICK = dict(train_verses=10000, bpe_merges=4000, max_update=400)
 FULL = dict(train_verses=None, bpe_merges=8000, max_update=3000)
-# (option, size, unit) of a batch. The multi-source table batches sentences, as the paper
-# (M13): a token budget would give the three-source systems a third of the sentences per update.
-TOKEN_BATCHES = ("--max-tokens", 4096, "tokens")
-SENTENCE_BATCHES = ("--batch-size", 96, "sentences")
+class Batching(NamedTuple):
+    option: str  # the fairseq-train option that bounds a batch
+    size: int
+    unit: str
+
+
+# The multi-source table batches sentences, as the paper (M13): a token budget would give
+# the three-source systems a third of the sentences per update.
+TOKEN_BATCHES = Batching("--max-tokens", 4096, "tokens")
+SENTENCE_BATCHES = Batching("--batch-size", 96, "sentences")
 
 
 def run(command: List[str], log_name: str, work_dir: str) -> None:
@@ -132,13 +138,13 @@ def build_corpus(sources, corpus_dir: str, settings: dict, work_dir: str) -> Non
 
 
 def train(system: System, data_bin: str, save_dir: str, max_update: int, seed: int, work_dir: str,
-          batching: Tuple[str, int, str]):
+          batching: Batching):
     run(fairseq(
         "train", data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch, *MODEL,
         "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "2e-3",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", max(1, max_update // 5),
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        *batching[:2], "--max-update", max_update, "--save-dir", save_dir,
+        batching.option, batching.size, "--max-update", max_update, "--save-dir", save_dir,
         "--no-epoch-checkpoints", "--no-last-checkpoints",
         "--seed", seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
         *system.options,  # last: a system may replace the criterion
@@ -206,10 +212,10 @@ def parse_args(argv=None):
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    langs = args.multi_source_langs.split(",")
-    if SOURCE not in langs:
+    args.multi_source_langs = args.multi_source_langs.split(",")
+    if SOURCE not in args.multi_source_langs:
         parser.error(f"--multi-source-langs must include {SOURCE}, the single-source baseline's source")
-    known = [system.name for system in SYSTEMS + multi_source_systems(langs)]
+    known = [system.name for system in SYSTEMS + multi_source_systems(args.multi_source_langs)]
     unknown = named_systems(args) - set(known)
     if unknown:
         parser.error(f"unknown system(s) {sorted(unknown)}; known: {known}")
@@ -232,7 +238,7 @@ def chosen_systems(args, systems: List[System]) -> List[System]:
 class Stage:
     """One corpus, its systems trained with the same budget, one results table."""
 
-    def __init__(self, name: str, corpus: str, args, settings: dict, batching: Tuple[str, int, str]):
+    def __init__(self, name: str, corpus: str, args, settings: dict, batching: Batching):
         self.name, self.corpus, self.args, self.settings = name, corpus, args, settings
         self.batching = batching
         self.data_bin = os.path.join(corpus, "data-bin")
@@ -281,7 +287,7 @@ class Stage:
         significance, _ = compare_systems(hypotheses[baseline], others, [self.references], self.protocol,
                                           [SIGNIFICANCE_METHOD], SignificanceOptions())
         columns = {f"BLEU, {source} deranged": values for source, values in adversarial.items()}
-        budget = f"{self.settings['max_update']} updates of {self.batching[1]:,} {self.batching[2]}"
+        budget = f"{self.settings['max_update']} updates of {self.batching.size:,} {self.batching.unit}"
         table = results_table(scores, significance, baseline, budget, self.signature, columns)
         examples = "\n\n".join(
             f"source:    {self.sources[i]}\nreference: {self.references[i]}\n"
@@ -317,7 +323,7 @@ def main(argv=None):
                             args, settings, TOKEN_BATCHES))
         reports.append(stages[-1].run(chosen_systems(args, SYSTEMS)))
     if args.full or args.multi_source_only:
-        langs = args.multi_source_langs.split(",")
+        langs = args.multi_source_langs
         corpus = prepared_corpus(langs, args.multi_source_corpus_dir, args, settings)
         stages.append(Stage(f"{'+'.join(langs)}->{TARGET}", corpus, args, settings, SENTENCE_BATCHES))
         reports.append(stages[-1].run(chosen_systems(args, multi_source_systems(langs)), adversarial_sources=langs))
