@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import sacrebleu
 import torch
 from fairseq import options, tasks
@@ -16,6 +17,9 @@ import mlmha_fairseq
 
 USER_DIR = os.path.dirname(mlmha_fairseq.__file__)
 VOCAB = [f"w{i}" for i in range(24)]
+
+PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
+NORMS = pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
 
 # A model small enough to train a few updates on a CPU in about a second.
 TINY_MODEL_ARGS = [

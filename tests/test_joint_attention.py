@@ -1,9 +1,10 @@
-"""MLMHA and layer aggregation inside the slot Transformer (issue: seed 000, thesis ch. 3)."""
+"""MLMHA and layer aggregation inside the slot Transformer (Ampomah et al. 2020; thesis ch. 3)."""
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_helpers import (
+    PRE_NORM,
     assert_incremental_matches_full,
     assert_round_trip,
     build_model,
@@ -15,7 +16,6 @@ from fairseq_helpers import (
 
 VARIANTS = ("M-00", "M-01", "M-10", "M-11")
 AGGREGATIONS = ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")
-PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
 D = 16  # tests/fairseq_helpers.TINY_MODEL_ARGS
 ENCODER_LAYERS, DECODER_LAYERS, FFN = 3, 2, 32
 
@@ -132,7 +132,7 @@ def greedy_decode(model, dictionary, src, lengths, max_len):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_parameter_count_matches_closed_form(variant, bias):
-    """Spec A.3.7: per decoder layer 3(n-1)d^2 more, plus (n-1)d^2 for concatenation,
+    """Ampomah et al. 2020, §3.3: per decoder layer 3(n-1)d^2 more, plus (n-1)d^2 for concatenation,
     against fairseq's cross-attention (which has 4d biases); with biases 3(n-1)(d^2+d)."""
     n = ENCODER_LAYERS
     concat = variant in ("M-00", "M-10")

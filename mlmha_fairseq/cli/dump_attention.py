@@ -1,6 +1,6 @@
 """Per-head encoder self-attention weights of chosen sentences, as data and PNG heat maps.
 
-For the MMA paper's Figure 3 (spec A.7 item 4): every encoder layer and head, rows are query
+For the MMA paper's Figure 3 (Cui et al. 2019): every encoder layer and head, rows are query
 tokens and columns key tokens, padding removed, EOS kept. Example::
 
     python -m mlmha_fairseq.cli.dump_attention checkpoints/mma/checkpoint_best.pt \

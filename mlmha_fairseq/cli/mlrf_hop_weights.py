@@ -1,6 +1,6 @@
 """MLRF SA hop weights per position during forced decoding, as data and PNG heat maps.
 
-For the MLRF paper's Figure 5 (§4.8; spec B.10 item 4): the weights ``a_p^l`` of every hop p
+For the MLRF paper's Figure 5 (§4.8): the weights ``a_p^l`` of every hop p
 over the fused layers l0..lL at each target position of a Dec-SA model (``--side encoder``:
 each source position of an Enc-SA model), the reference fed in as in training. Example::
 

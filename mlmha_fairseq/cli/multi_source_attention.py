@@ -1,7 +1,7 @@
 """Cross-attention of a multi-source model per source, and the hierarchical second-level
 weights per source and decoder layer, as data and PNG heat maps.
 
-For Libovický et al. (2018), Appendix A and Figure 2 (spec mma_multisource.md B.9): a
+For Libovický et al. (2018), Appendix A and Figure 2: a
 teacher-forced pass over the references of a binarized split, weights averaged over heads,
 padding removed, EOS kept. Example::
 

@@ -1,5 +1,5 @@
 """How much the Main-Decoder depends on the auxiliary information of AIF (thesis §4.5.5,
-Figs. 4.7-4.8; spec §9.8).
+Figs. 4.7-4.8).
 
 The *ind-decoder* is the Main-Decoder with every AIF matrix ``W^{a_i}_l`` set to zero (it
 shares every other parameter). For each sentence, the Main-Decoder (with AIF) decodes

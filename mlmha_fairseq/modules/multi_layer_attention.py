@@ -1,4 +1,4 @@
-"""Multi-Layer Multi-Head Attention (MLMHA), spec A.3.3-A.3.6 / thesis §2.3.
+"""Multi-Layer Multi-Head Attention (MLMHA), Ampomah et al. 2020, §3 / thesis §2.3.
 
 The decoder's encoder-decoder attention attends directly to the n stacked taps
 ``F^s = [f_1, ..., f_n]`` of the Source Feature Collector. Every tap has its own
@@ -24,16 +24,12 @@ from torch import Tensor, nn
 
 IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
-# Paper Table 1: M-ij with i = Ū0 (0 joint / 1 layer-specific weight) and
-# j = Ū1 (0 contexts-concatenation / 1 contexts-summation).
-VARIANTS: Dict[str, Tuple[bool, bool]] = {
-    "M-00": (True, True),
-    "M-01": (True, False),
-    "M-10": (False, True),
-    "M-11": (False, False),
-}
+# Ampomah et al. 2020, Table 1: variant M-ij, i = 0 joint / 1 layer-specific attention
+# weights, j = 0 concatenated / 1 summed contexts.
+VARIANTS = ("M-00", "M-01", "M-10", "M-11")
 
-# fairseq's MultiheadAttention initialises q/k/v with this Xavier gain (pitfall 19).
+# fairseq's MultiheadAttention initialises q/k/v with this Xavier gain; the same gain keeps
+# n = 1 identical to the standard cross-attention at initialisation.
 QKV_INIT_GAIN = 1 / math.sqrt(2)
 CACHE_KEY = "mlmha_state"
 
@@ -44,7 +40,7 @@ def parse_variant(name: str) -> Tuple[bool, bool]:
         raise ValueError(
             f"unknown MLMHA variant {name!r}; expected one of {sorted(VARIANTS)}"
         )
-    return VARIANTS[name]
+    return name[2] == "0", name[3] == "0"
 
 
 def _attention_masks(key_padding_mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -84,6 +80,8 @@ class MultiLayerMultiheadAttention(nn.Module):
         concat_contexts: bool,
         dropout: float = 0.0,
         bias: bool = False,
+        dropped_layer_index: Optional[int] = None,
+        memory_key: str = "encoder_out",
     ):
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -117,11 +115,12 @@ class MultiLayerMultiheadAttention(nn.Module):
             self.register_parameter("v_proj_bias", None)
         context_dim = num_taps * embed_dim if concat_contexts else embed_dim
         self.out_proj = nn.Linear(context_dim, embed_dim, bias=bias)
-        self._dropped_layer_index: Optional[int] = None
+        self.memory_key = memory_key  # the encoder_out entry the decoder hands as the taps
+        self.dropped_layer_index = dropped_layer_index
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Per-tap init identical to fairseq's ``MultiheadAttention`` (pitfall 19)."""
+        """Per-tap init identical to fairseq's ``MultiheadAttention``."""
         for weight in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
             for tap_weight in weight:  # d x d: Xavier fans must be per tap
                 nn.init.xavier_uniform_(tap_weight, gain=QKV_INIT_GAIN)
@@ -147,6 +146,7 @@ class MultiLayerMultiheadAttention(nn.Module):
 
     @dropped_layer_index.setter
     def dropped_layer_index(self, index: Optional[int]):
+        """Settable for analyses that ablate one tap of a trained model."""
         if index is not None and not 0 <= index < self.num_taps:
             raise ValueError(
                 f"dropped_layer_index must be in [0, {self.num_taps - 1}], got {index}"
@@ -303,7 +303,8 @@ class MultiLayerMultiheadAttention(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """Eqs. 8-10 with explicit probabilities (B x H' x Tt x Ts, fp32 softmax).
 
-        Pads are masked with -inf after the n scores are summed (pitfall 21).
+        Pads are masked with -inf after the n scores are summed (masking each score
+        first would add -inf terms and give NaN).
         Returns the context (B x H' x Tt x E_v) and the pre-dropout probabilities.
         """
         key, value = cache["key"], cache["value"]
@@ -320,7 +321,8 @@ class MultiLayerMultiheadAttention(nn.Module):
     def _report_weights(self, probs: Tensor, need_head_weights: bool) -> Tensor:
         """B x H' x Tt x Ts -> H x B x Tt x Ts, or B x Tt x Ts averaged over heads.
 
-        Layer-specific: mean over taps of the per-tap probabilities (pitfall 6).
+        Layer-specific: mean over taps of the per-tap probabilities (each tap's
+        distribution sums to one, so their mean is a distribution over the source).
         """
         bsz, _, tgt_len, src_len = probs.shape
         probs = probs.view(bsz, -1, self.num_heads, tgt_len, src_len).mean(dim=1)
@@ -353,7 +355,8 @@ class MultiLayerMultiheadAttention(nn.Module):
     def reorder_incremental_state(
         self, incremental_state: IncrementalState, new_order: Tensor
     ) -> IncrementalState:
-        """Select the cached taps of the surviving hypotheses (pitfall 5).
+        """Select the cached taps of the surviving hypotheses (beam search reorders
+        the batch at every step).
 
         Always reorders: ``new_order`` may repeat rows (beams) or be shorter
         than the cached batch (finished sentences).

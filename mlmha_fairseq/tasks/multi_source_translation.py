@@ -1,6 +1,5 @@
 """Task ``multi_source_translation``: n aligned sources (text, or precomputed image
-features) and one target, for the multi-source Transformer (spec mma_multisource.md B;
-pitfalls M1-M3).
+features) and one target, for the multi-source Transformer (Libovický et al. 2018).
 
 Data layout (what ``python -m mlmha_fairseq.cli.build_corpus --sources es fr de --target en``
 writes; docs/corpus.md): every text source ``s`` is binarized with the target by
@@ -13,7 +12,7 @@ without dictionary, files with different numbers of sentences, image features wi
 another number of rows or channels, or dictionaries that differ, each stop with a
 :class:`DataError` naming the file.
 
-Example (the order of ``--source-langs`` is the serial order, pitfall M15)::
+Example (the order of ``--source-langs`` is the serial order of Fig. 1a)::
 
     fairseq-train data-bin --user-dir mlmha_fairseq --task multi_source_translation \
         --source-langs es,fr,de,en --target-lang cs --primary-source en \
