@@ -163,15 +163,17 @@ def test_pre_norm_adds_one_layer_norm_per_collected_layer_below_the_top():
 )
 @pytest.mark.parametrize("top_n", [2, 3])
 def test_aggregation_parameter_count_matches_thesis_formula(aggregation, extra, top_n):
-    """Thesis §2.5 closed forms; Transparent Attention adds (L+1) x M scalars."""
+    """Thesis §2.5 closed forms; Transparent Attention adds (L+1) x M scalars (it mixes all
+    encoder states, so --mlmha-top-n does not apply to it)."""
     baseline = num_params(build_model("transformer"))
-    model = build_model("slot_transformer", "--layer-aggregation", aggregation, "--mlmha-top-n", top_n)
+    top_n_option = [] if aggregation == "transparent" else ["--mlmha-top-n", top_n]
+    model = build_model("slot_transformer", "--layer-aggregation", aggregation, *top_n_option)
     assert num_params(model) - baseline == extra(top_n)
 
 
 def test_paper_size_mlmha_adds_the_papers_parameters():
     """WMT'14 En-De preset (d=512, 6+6, n=6, M-10): 6 x 20 d^2 = 31,457,280 new weights
-    (spec: "about 23.7M ... a further 7.8M"), minus fairseq's 6 x 4d cross-attention biases."""
+    (Ampomah et al. 2020: "about 23.7M ... a further 7.8M"), minus fairseq's 6 x 4d cross-attention biases."""
     words = [f"w{i}" for i in range(1000)]
     dictionary = toy_dictionary(words)
     paper_size = ["--encoder-layers", "6", "--decoder-layers", "6", "--encoder-embed-dim", "512",

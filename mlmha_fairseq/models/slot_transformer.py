@@ -19,6 +19,11 @@ What the slots add to fairseq's data flow:
   (``memory_key``, default ``"encoder_out"``); the decoder hands that entry to every layer
   in place of the top encoder layer, so fairseq's layer loop runs unchanged.
 * A decoder-output module fuses the decoder's layer outputs before the final LayerNorm.
+* The decoder layer runs in four overridable stages (:class:`SlotTransformerDecoderLayer`);
+  per-call inputs of a mechanism reach them through the layer call (:class:`LayerInput`).
+
+Every slot model is built by :meth:`SlotTransformerModel.build_model`; see
+``docs/architecture.md``.
 """
 from typing import Any, Dict, List, NamedTuple, Optional
 
