@@ -421,3 +421,13 @@ def test_two_cpu_ranks_train_auxiliary_decoders_with_aif(data_bin, tmp_path):
     parameters, also without AIF) is tested above."""
     assert_ranks_identical_after_training(data_bin, tmp_path, "ms_transformer", *ms("1,2", "--aux-fusion"),
                                           *CRITERION)
+
+
+@NORMS
+def test_aif_uses_no_hooks_and_no_state_on_the_layers(norm):
+    """AIF is the staged layer's step after self-attention: the model registers no forward
+    hooks and its layers keep no per-call attributes."""
+    model = build_model("ms_transformer", "--aux-decoder-layers", "1,2", "--aux-fusion", *norm)
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, type(module).__name__
+    assert not any(hasattr(layer, "aux_features") for layer in model.decoder.layers)

@@ -39,7 +39,8 @@ Presets: ``ms_transformer`` (MS-1, base size), ``ms_transformer_iwslt`` (small 4
 AIF) and ``ms_transformer_wmt_en_de`` (base 6+6, MS-1 + AIF).
 """
 import re
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -127,19 +128,8 @@ def aux_layers(cfg) -> List[int]:
     return sorted(layers)
 
 
-def _fusion_inputs(cfg) -> int:
-    """Number of auxiliary decoders fused by AIF into each main-decoder layer (0: no AIF)."""
-    if not cfg.aux_fusion:
-        return 0
-    layers = aux_layers(cfg)
-    if not layers:
-        raise UsageError("--aux-fusion needs auxiliary decoders (--aux-decoder-layers)")
-    return len(layers)
-
-
-def _decode_from(cfg, layers: List[int]) -> Optional[int]:
+def _decode_from(spec: str, layers: List[int]) -> Optional[int]:
     """Index of the auxiliary decoder named by --decode-from aux:L, or None for main."""
-    spec = cfg.decode_from
     if spec == MAIN:
         return None
     match = DECODE_FROM_AUX.fullmatch(spec)
@@ -147,6 +137,25 @@ def _decode_from(cfg, layers: List[int]) -> Optional[int]:
         choices = ", ".join([MAIN] + [f"aux:{layer}" for layer in layers])
         raise UsageError(f"--decode-from {spec}: choose one of {choices}")
     return layers.index(int(match.group(1)))
+
+
+@dataclass(frozen=True)
+class SupervisionOptions:
+    """The Main-Decoder's view of multi-level supervision, validated once."""
+
+    aux_layers: Tuple[int, ...]  # encoder layer of each auxiliary decoder, ascending
+    fusion: bool  # AIF
+    fusion_dropout: float
+    zero_aif: bool
+    decode_from: Optional[int]  # index of the auxiliary decoder that decodes, None: main
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "SupervisionOptions":
+        layers = aux_layers(cfg)
+        if cfg.aux_fusion and not layers:
+            raise UsageError("--aux-fusion needs auxiliary decoders (--aux-decoder-layers)")
+        return cls(tuple(layers), cfg.aux_fusion, cfg.aux_fusion_dropout, cfg.zero_aif,
+                   _decode_from(cfg.decode_from, layers))
 
 
 class AuxiliaryMemories(nn.Module):
@@ -211,25 +220,25 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
     """
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
+        self.options = SupervisionOptions.from_cfg(cfg)  # read by build_decoder_layer in super().__init__
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
-        self.aux_layers = aux_layers(cfg)
-        self._check_compatible(cfg, no_encoder_attn)
+        self.aux_layers = list(self.options.aux_layers)
+        self._check_compatible(no_encoder_attn)
         self.aux_decoders = nn.ModuleList(
             self._build_aux_decoder(cfg, dictionary, embed_tokens) for _ in self.aux_layers
         )
-        self.aux_fusion = _fusion_inputs(cfg) > 0
-        self.zero_aif = cfg.zero_aif
-        self.decode_from = _decode_from(cfg, self.aux_layers)
+        self.aux_fusion = self.options.fusion
+        self.zero_aif = self.options.zero_aif
+        self.decode_from = self.options.decode_from
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        num_aux = _fusion_inputs(cfg)
-        if not num_aux:
+        if not self.options.fusion:
             return super().build_decoder_layer(cfg, no_encoder_attn)
-        dropout = cfg.aux_fusion_dropout
-        layer = AIFDecoderLayer(cfg, next_layer_index(self), num_aux, dropout, no_encoder_attn)
+        layer = AIFDecoderLayer(cfg, next_layer_index(self), len(self.options.aux_layers),
+                                self.options.fusion_dropout, no_encoder_attn)
         return wrap_layer(layer, cfg)
 
-    def _check_compatible(self, cfg, no_encoder_attn: bool):
+    def _check_compatible(self, no_encoder_attn: bool):
         if not self.aux_layers:
             return
         if no_encoder_attn:
@@ -238,7 +247,7 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
         if self.adaptive_softmax is not None:
             raise UsageError("auxiliary decoders share the output projection, which "
                              "--adaptive-softmax-cutoff replaces: use a plain softmax")
-        if _fusion_inputs(cfg) and self.output_embed_dim != self.embed_dim:
+        if self.options.fusion and self.output_embed_dim != self.embed_dim:
             raise UsageError("--aux-fusion needs --decoder-output-dim == --decoder-embed-dim")
 
     def _build_aux_decoder(self, cfg, dictionary, embed_tokens) -> TransformerDecoderBase:
@@ -351,6 +360,5 @@ def ms_transformer_wmt_en_de(args):
     """MS-1 + AIF on the base Transformer (6+6, d=512): the thesis' best WMT'14 En-De model
     (Table 4.4, 29.32)."""
     thesis_base(args)
-    args.aux_decoder_layers = getattr(args, "aux_decoder_layers", "1")
-    args.aux_fusion = getattr(args, "aux_fusion", True)
+    args.aux_fusion = getattr(args, "aux_fusion", True)  # on MS-1, the option's default
     ms_transformer(args)
