@@ -10,8 +10,8 @@ of ``python -m mlmha_fairseq.cli.options``.
 
 "Set" means "differs from the option's default", so that the arguments stored in a
 checkpoint, which hold every default, pass the check, and a preset that sets a default of
-a mechanism it does not turn on would be refused like a user (none does: the test
-``tests/test_options.py`` builds every preset).
+a mechanism it does not turn on would be refused like a user (none does:
+``tests/test_options.py`` checks every preset).
 """
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -116,10 +116,6 @@ def option_of(dest: str) -> Optional[Tuple[Mechanism, Option]]:
             if option.dest == dest:
                 return mechanism, option
     return None
-
-
-def all_options() -> List[Tuple[Mechanism, Option]]:
-    return [(mechanism, option) for mechanism in MECHANISMS.values() for option in mechanism.options]
 
 
 def slot_wide_mechanisms() -> List[Mechanism]:
