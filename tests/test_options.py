@@ -118,8 +118,9 @@ def test_option_listing_shows_the_preset_defaults():
     assert "encoder_layers" not in rows  # fairseq's own options are left out
     wmt = {row["dest"]: row for row in list_options("mlmha_transformer_wmt_en_de")}
     assert wmt["mlmha_top_n"]["default"] == 6 and wmt["mlmha_variant"]["default"] == "M-10"
-    ms = {row["dest"]: row for row in list_options("ms_transformer_iwslt")}
-    assert ms["aux_decoder_layers"]["default"] == "3" and ms["aux_fusion"]["default"] is True
+    ms = {row["option"]: row for row in list_options("ms_transformer_iwslt")}
+    assert ms["--aux-decoder-layers"]["default"] == "3" and ms["--aux-fusion"]["default"] is True
+    assert ms["--no-aux-fusion"]["default"] is False  # the flag is not given
 
 
 def test_option_listing_command_line():
