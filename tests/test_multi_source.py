@@ -112,7 +112,7 @@ def test_one_source_equals_fairseq_transformer_with_its_weights(strategy, norm):
 
 
 def test_hierarchical_second_level_is_certain_with_one_source():
-    """B.2: with n = 1 the softmax over one context is 1 (so hierarchical is not the
+    """Libovický et al. 2018, Eq. 8: with n = 1 the softmax over one context is 1 (so hierarchical is not the
     standard decoder, but a linear map of the context)."""
     dictionary = toy_dictionary()
     model, _ = build_multi_source(["src"], "--combination-strategy", "hierarchical", dictionary=dictionary)
@@ -299,8 +299,8 @@ def test_presets_have_the_paper_sizes_and_settings(arch):
         assert getattr(args, name) == value, name
     assert args.encoder_attention_heads == args.decoder_attention_heads
     assert args.combination_strategy == "serial"
-    assert args.encoder_normalize_before and args.decoder_normalize_before  # RI (M7)
-    assert args.no_scale_embedding and args.share_all_embeddings  # M11b, B.3
+    assert args.encoder_normalize_before and args.decoder_normalize_before  # the reference implementation
+    assert args.no_scale_embedding and args.share_all_embeddings  # Libovický et al. 2018, §4
     model, _ = build_multi_source(["a", "b"], "--arch", arch)  # tiny sizes, preset settings
     assert model.decoder.layers[0].normalize_before and model.decoder.embed_scale == 1.0
 

@@ -12,7 +12,7 @@ encoder-decoder attention distributions ``A^m_h, A^ind_h`` (Z x J):
 
     D^l_h = KL(A^m_h || A^ind_h),    D^l = 1/N_h sum_h D^l_h                      (Fig. 4.7b)
 
-Readings [choice] (spec §9.8): the KL of two Z x J matrices is taken row-wise (over source
+Readings [choice] (the thesis does not say): the KL of two Z x J matrices is taken row-wise (over source
 positions) and averaged over the target positions of all sentences; ``|Y|`` counts every
 predicted token, the final EOS included. Natural logarithms (nats). Teacher forcing the greedy
 output gives the same distributions as stepping both decoders along it (the decoders are

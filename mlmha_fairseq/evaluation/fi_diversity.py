@@ -9,7 +9,7 @@ head with the maximum weight distribution among all N_h heads". The divergence o
 
 and the model's ``E_d = 1/L sum_l dv_l`` over its DC layers.
 
-Readings [choice] (the thesis is ambiguous, spec §9.10): ``max`` (default) takes the
+Readings [choice] (the thesis is ambiguous): ``max`` (default) takes the
 element-wise maximum over heads and renormalises every query row; ``peak-head`` takes, per
 query row, the one head whose row has the largest weight. The JS divergence is computed
 per query row (natural log, so 0 <= JS <= ln 2) over the sentence's real keys and averaged

@@ -1,7 +1,7 @@
 """The documents' scoring protocols on top of sacreBLEU.
 
-Protocols (spec: mlmha_mlrf.md A.8 table / C.12, thesis_jas_ms_dc.md §6.3 and §12.20,
-mma_multisource.md "Cross-cutting BLEU notes"):
+Protocols (as each paper reports its BLEU: Ampomah et al. 2020, Wang et al. 2018, the
+thesis, Cui et al. 2019 and Libovický et al. 2018):
 
 - ``sacrebleu``: detokenized, case-sensitive sacreBLEU with the 13a tokenizer, the
   equivalent of ``mteval-v13a.pl`` (MLMHA/thesis En-De).

@@ -1,6 +1,6 @@
 """Paired significance tests between a baseline and one or more systems.
 
-Methods (spec: mlmha_mlrf.md A.10, thesis_jas_ms_dc.md §10, mma_multisource.md A.8):
+Methods (as the papers test significance):
 
 - ``thesis``: the thesis protocol, paired bootstrap resampling (Koehn 2004) with
   ``n_samples`` resamples of ``sample_size`` sentence pairs drawn with replacement
@@ -107,7 +107,7 @@ def thesis_bootstrap(baseline: Sequence[str], system: Sequence[str],
                      name: str = "system", n_samples: int = DEFAULT_SAMPLES,
                      sample_size: int = THESIS_SAMPLE_SIZE,
                      seed: int = DEFAULT_SEED) -> Tuple[PairedResult, BootstrapSamples]:
-    """Thesis §10 paired bootstrap: ``n_samples`` test sets of ``sample_size`` pairs drawn
+    """The thesis' paired bootstrap: ``n_samples`` test sets of ``sample_size`` pairs drawn
     with replacement; the better system (on the full test set) wins a resample when its
     score is strictly higher; p = 1 - wins / n_samples.
 

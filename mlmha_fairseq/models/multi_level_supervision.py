@@ -1,11 +1,11 @@
 """Encoder-based multi-level supervision, MS-l, and AIF (thesis ch. 4).
 
 Model ``ms_transformer``: the slot Transformer (every slot option still applies) plus
-auxiliary decoders, the "extra decoders" of DESIGN.md:
+auxiliary decoders:
 
 * ``--aux-decoder-layers 1,2``: one *Aux-Decoder l* per listed encoder layer l < L, a full
   decoder stack of the Main-Decoder's shape (layers, d, heads, FFN, norm placement) whose
-  cross-attention memory is the output ``H_e^l`` of encoder layer l (§3.1). They share the
+  cross-attention memory is the output ``H_e^l`` of encoder layer l (thesis Fig. 4.2). They share the
   target embedding, the positional embedding and the output projection with the
   Main-Decoder: the same Parameter objects, so each one adds exactly one decoder
   stack. Train with the criterion ``multi_decoder_label_smoothed_cross_entropy``
@@ -14,7 +14,7 @@ auxiliary decoders, the "extra decoders" of DESIGN.md:
   ``z^f = sum_i f^i W^{a_i}`` right after its masked self-attention, with ``f^i`` the final
   hidden states of Aux-Decoder i (after its final LayerNorm in pre-norm: the features fed
   to the shared output projection, [choice]). Gradients flow from the
-  Main-Decoder into the auxiliary decoders (no detach, §3.4).
+  Main-Decoder into the auxiliary decoders (no detach, thesis Eq. 4.3).
 * Inference: without AIF only the Main-Decoder runs (the auxiliary decoders are never
   called in incremental decoding; ``python -m mlmha_fairseq.cli.strip_aux_decoders``
   removes them for deployment). With AIF they run incrementally in lock-step on the main
@@ -30,9 +30,9 @@ the encoder memory slot (``encoder_out["aux_memories"]``, collected also at gene
 where fairseq calls the encoder without ``return_all_hiddens``).
 
 Readings [choice]: pre-norm encoder states below the top are not normalised in fairseq
-(only the top one passes the final LayerNorm), so in pre-norm each auxiliary memory passes through its own LayerNorm, as the
-authors' code does for its taps; post-norm states are used as they
-are. The auxiliary decoders are fairseq's standard decoder stacks: the decoder slots
+(only the top one passes the final LayerNorm), so in pre-norm each auxiliary memory
+passes through its own LayerNorm, as the authors' code does for its taps; post-norm
+states are used as they are. The auxiliary decoders are fairseq's standard decoder stacks: the decoder slots
 (self-/cross-attention fillers, output fusion) apply to the Main-Decoder only.
 
 Presets: ``ms_transformer`` (MS-1, base size), ``ms_transformer_iwslt`` (small 4+4, MS-3 +

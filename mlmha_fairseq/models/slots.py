@@ -1,7 +1,7 @@
 """Slots: the places of the Transformer where this package's mechanisms plug in.
 
-Every mechanism of the source documents changes one of a few places of the standard
-Transformer (DESIGN.md, "papers are presets, mechanisms are slots"). Each place is a
+Every mechanism of the papers changes one of a few places of the standard Transformer
+(papers are presets, mechanisms are slots). Each place is a
 :class:`Slot`. A mechanism registers a *filler* for a slot: a function of the model
 configuration (and of where it is built, e.g. the layer index) that returns a module,
 or ``None`` when the configuration does not ask for that mechanism there. When no filler

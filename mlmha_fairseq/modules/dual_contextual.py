@@ -1,4 +1,4 @@
-"""Dual Contextual (DC) module, thesis ch. 5 (spec ``thesis_jas_ms_dc.md`` §4, Fig. 5.2).
+"""Dual Contextual (DC) module, thesis ch. 5 (Eqs. 5.4-5.7, Fig. 5.2).
 
 The DC module replaces a layer's self-attention sublayer. With ``r`` the sublayer input
 (T x B x C):
