@@ -11,7 +11,7 @@ import math
 
 from tqdm import tqdm
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.aif_dependency import aif_dependency, plot_aif_dependency
 from mlmha_fairseq.evaluation.model_loading import (
     DEFAULT_BATCH_SIZE,
@@ -28,7 +28,7 @@ DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B = 1.0, 20  # the authors' code: source leng
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoints", nargs="+",
                         help="fairseq checkpoints of ms_transformer models with --aux-fusion")
     parser.add_argument("--names", nargs="+", help="one name per checkpoint")
