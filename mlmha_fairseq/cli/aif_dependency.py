@@ -1,4 +1,4 @@
-"""KL divergence between the AIF Main-Decoder and its ind-decoder (thesis §4.5.5, Fig. 4.7).
+r"""KL divergence between the AIF Main-Decoder and its ind-decoder (thesis §4.5.5, Fig. 4.7).
 
 Examples (the thesis' setting: 1,000 random En-Vi test sentences, MS-l + AIF models)::
 

@@ -1,4 +1,4 @@
-"""Average the parameters of fairseq checkpoints (this package's models included).
+r"""Average the parameters of fairseq checkpoints (this package's models included).
 
 Examples::
 

@@ -1,4 +1,4 @@
-"""Jensen-Shannon divergence between the Dual Contextual module's two FI units (thesis Fig. 5.4).
+r"""Jensen-Shannon divergence between the Dual Contextual module's two FI units (thesis Fig. 5.4).
 
 Examples (the kernel-size sweep of §9.9-9.10 on newstest2014)::
 

@@ -1,4 +1,4 @@
-"""Per-head encoder self-attention weights of chosen sentences, as data and PNG heat maps.
+r"""Per-head encoder self-attention weights of chosen sentences, as data and PNG heat maps.
 
 For the MMA paper's Figure 3 (Cui et al. 2019): every encoder layer and head, rows are query
 tokens and columns key tokens, padding removed, EOS kept. Example::

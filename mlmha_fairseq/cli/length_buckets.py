@@ -1,4 +1,4 @@
-"""BLEU by source-length bucket for one or more systems, with counts per bucket.
+r"""BLEU by source-length bucket for one or more systems, with counts per bucket.
 
 Example (MLMHA/thesis En-De: subword counts, buckets [0,10) ... [50,inf))::
 

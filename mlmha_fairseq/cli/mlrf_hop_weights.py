@@ -1,4 +1,4 @@
-"""MLRF SA hop weights per position during forced decoding, as data and PNG heat maps.
+r"""MLRF SA hop weights per position during forced decoding, as data and PNG heat maps.
 
 For the MLRF paper's Figure 5 (§4.8): the weights ``a_p^l`` of every hop p
 over the fused layers l0..lL at each target position of a Dec-SA model (``--side encoder``:

@@ -1,4 +1,4 @@
-"""Probing classifiers on frozen encoder features (thesis §9.7, SentEval probing tasks).
+r"""Probing classifiers on frozen encoder features (thesis §9.7, SentEval probing tasks).
 
 Example::
 

@@ -1,4 +1,4 @@
-"""Score a system with one of the documents' protocols; prints sacreBLEU's line and signature.
+r"""Score a system with one of the documents' protocols; prints sacreBLEU's line and signature.
 
 Examples::
 

@@ -1,4 +1,4 @@
-"""Paired significance tests of systems against a baseline, with a daggered results table.
+r"""Paired significance tests of systems against a baseline, with a daggered results table.
 
 Example::
 
