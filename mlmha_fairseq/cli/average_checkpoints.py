@@ -51,7 +51,7 @@ def _paths(parser, args):
 
 def average(parser, args) -> None:
     paths = _paths(parser, args)
-    refuse_overwriting_inputs(args.output, paths, "--output")  # --input-dir's files too
+    refuse_overwriting_inputs(args.output, paths)  # --input-dir's files too
     logger.info("averaging %d checkpoints: %s", len(paths), ", ".join(paths))
     save_checkpoint(average_checkpoints(paths), args.output)
     logger.info("wrote %s", args.output)
