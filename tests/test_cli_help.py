@@ -4,6 +4,8 @@ import argparse
 import importlib
 import pkgutil
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +64,13 @@ def test_demo_help_is_the_whole_description_and_lists_the_systems(monkeypatch, c
     langs = demo.MULTI_SOURCE_LANGS
     for system in demo.SYSTEMS + demo.multi_source_systems(langs):
         assert system.name in flat, f"--systems does not list {system.name!r}"
+
+
+def test_fairseq_tools_find_tensorboardx():
+    """fairseq's --tensorboard-logdir needs tensorboardX (requirements.txt); without it every
+    fairseq command prints "Please install tensorboardX"."""
+    result = subprocess.run([sys.executable, "-m", "fairseq_cli.train", "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "--tensorboard-logdir" in result.stdout
+    assert "tensorboardX" not in result.stderr + result.stdout
