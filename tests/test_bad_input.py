@@ -152,3 +152,10 @@ def test_pairs_binarized_with_different_targets(n_way, tmp_path):
                                         rf"{data}/valid\.s1-tgt\.tgt\.bin at line 1:"):
         task.load_dataset("valid")
     task.load_dataset("test")  # the untouched split still loads
+
+
+def test_generation_options_that_conflict_end_with_one_line(trained, data_bin):
+    result = run_fairseq("generate", data_bin, "--user-dir", USER_DIR, "--path", trained, "--cpu",
+                         "--task", "translation_gnmt", "--gnmt-lenpen", "0.6", "--print-alignment",
+                         check=False)
+    assert "--gnmt-lenpen cannot be combined with --print-alignment" in one_line_error(result)
