@@ -12,6 +12,7 @@ from mlmha_fairseq.cli import attention_stats as attention_stats_cli
 from mlmha_fairseq.cli import average_checkpoints as average_cli
 from mlmha_fairseq.cli import score as score_cli
 from mlmha_fairseq.cli import significance as significance_cli
+from mlmha_fairseq.cli import strip_aux_decoders
 from mlmha_fairseq.evaluation.checkpoint_averaging import save_checkpoint
 from mlmha_fairseq.evaluation.plotting import plot_significance
 from mlmha_fairseq.evaluation.scoring import PROTOCOLS, corpus_score
@@ -181,3 +182,13 @@ def current_umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_strip_aux_decoders_into_its_input_through_a_link_is_refused(two_checkpoints, tmp_path, capsys):
+    checkpoint = two_checkpoints[0]
+    link = tmp_path / "link.pt"
+    link.symlink_to(checkpoint)
+    before = checkpoint.read_bytes()
+    line = cli_error(strip_aux_decoders.main, [checkpoint, link], capsys)
+    assert f"the output {link} is also an input" in line
+    assert checkpoint.read_bytes() == before
