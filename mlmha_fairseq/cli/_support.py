@@ -101,9 +101,6 @@ def setup_logging() -> None:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
-OUTPUT_PREFIX_EXTENSIONS = (".csv", ".json", ".png")
-
-
 def _input_files(args: argparse.Namespace) -> Iterator[str]:
     """Existing files named by any argument other than the outputs."""
     for name, value in vars(args).items():
@@ -116,7 +113,7 @@ def _input_files(args: argparse.Namespace) -> Iterator[str]:
 
 def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
     """Refuse an ``output`` that is one of the inputs, or an ``--output-prefix`` whose
-    PREFIX*.csv/.json/.png names an input: no tool replaces a file it reads."""
+    PREFIX.csv, PREFIX.json or PREFIX*.png is an input: no tool replaces a file it reads."""
     inputs = list(_input_files(args))
     if getattr(args, "output", None):
         refuse_overwriting_inputs(args.output, inputs)
@@ -125,7 +122,7 @@ def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
         stem = os.path.realpath(prefix)
         for path in inputs:
             real = os.path.realpath(path)
-            if real.startswith(stem) and real.endswith(OUTPUT_PREFIX_EXTENSIONS):
+            if real in (stem + ".csv", stem + ".json") or (real.startswith(stem) and real.endswith(".png")):
                 raise UsageError(f"--output-prefix {prefix} would overwrite the input {path}; "
                                  "choose another prefix")
 
