@@ -31,6 +31,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from mlmha_fairseq.cli import _support as cli_support
+
 logger = logging.getLogger("mlmha_fairseq.benchmark")
 BASELINE = "transformer"
 
@@ -273,19 +275,31 @@ def plot(rows: List[dict], path: str):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("--configs", default="all",
-                        help=f"comma-separated names or 'all' (always with {BASELINE}): {', '.join(CONFIGURATIONS)}")
-    parser.add_argument("--size", choices=SIZES, default="small")
-    parser.add_argument("--sentences", type=int, default=32, help="training batch, sentences")
-    parser.add_argument("--length", type=int, default=32, help="source and target length, tokens")
-    parser.add_argument("--gen-sentences", type=int, default=16)
-    parser.add_argument("--beam", type=int, default=5)
-    parser.add_argument("--vocab-size", type=int, default=8000)
+                        help=f"comma-separated names or 'all' (always with {BASELINE}): "
+                             f"{', '.join(CONFIGURATIONS)} (default: %(default)s)")
+    parser.add_argument("--size", choices=SIZES, default="small",
+                        help="model size, the same for every system: " + "; ".join(
+                            f"{name} = {s['layers']} layers, {s['embed_dim']}-dim, {s['heads']} heads"
+                            for name, s in SIZES.items()) + " (default: %(default)s)")
+    parser.add_argument("--sentences", type=int, default=32,
+                        help="training batch, sentences (default: %(default)s)")
+    parser.add_argument("--length", type=int, default=32,
+                        help="source and target length, tokens (default: %(default)s)")
+    parser.add_argument("--gen-sentences", type=int, default=16,
+                        help="sentences per beam search (default: %(default)s)")
+    parser.add_argument("--beam", type=int, default=5, help="beam size (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=8000,
+                        help="joint vocabulary size of the random data (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=6,
-                        help="timed training steps per system, after one warm-up (median); beam searches: half")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output-dir", default="bench")
+                        help="timed training steps per system, after one warm-up (median); beam "
+                             "searches: half (default: %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device to measure on, e.g. cpu, cuda, cuda:1 (default: cuda "
+                             "when available, else cpu; here %(default)s)")
+    parser.add_argument("--output-dir", default="bench",
+                        help="folder for benchmark.json, .csv, .md and .png (default: %(default)s)")
     parser.add_argument("--speed-worker", help=argparse.SUPPRESS)
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -19,8 +19,6 @@ fixed-seed derangement of the test set (the adversarial evaluation).
 ``--multi-source-only`` runs that second table alone (with the quick settings unless ``--full``).
 Usage: ``python -m mlmha_fairseq.cli.demo --help``.
 """
-import argparse
-import json
 import logging
 import os
 import subprocess
@@ -30,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import List, NamedTuple, Set, Tuple
 
 import mlmha_fairseq
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
 from mlmha_fairseq.evaluation.significance import SignificanceOptions, compare_systems
-from mlmha_fairseq.evaluation.text_io import read_lines
+from mlmha_fairseq.evaluation.text_io import read_lines, write_json, write_text
 
 logger = logging.getLogger("mlmha_fairseq.demo")
 USER_DIR = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
@@ -190,8 +189,9 @@ def results_table(scores, significance, baseline: str, budget: str, signature: s
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--work-dir", default="work-demo", help="data, checkpoints, outputs, logs")
+    parser = cli_support.make_parser(__spec__.name, __doc__)
+    parser.add_argument("--work-dir", default="work-demo",
+                        help="data, checkpoints, outputs, logs and results (default: %(default)s)")
     parser.add_argument("--corpus-dir",
                         help=f"use this corpus made by mlmha_fairseq.cli.build_corpus ({SOURCE}->{TARGET} "
                              "sides) instead of building one in the work directory")
@@ -205,12 +205,19 @@ def parse_args(argv=None):
     parser.add_argument("--multi-source-langs", default=",".join(MULTI_SOURCE_LANGS),
                         help="with --full or --multi-source-only: the sources of the multi-source "
                              f"table, {SOURCE} among them (default: %(default)s)")
-    parser.add_argument("--max-update", type=int, help="training updates per system (overrides the preset)")
+    parser.add_argument("--max-update", type=int,
+                        help=f"training updates per system (default: {QUICK['max_update']}, "
+                             f"with --full {FULL['max_update']})")
     parser.add_argument("--systems",
                         help="comma-separated system names of either table to run; a table runs its "
-                             "baseline and the systems named, or all of them when none is named")
-    parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=1)
+                             "baseline and the systems named, or all of them when none is named. "
+                             "Names: " + "; ".join(s.name for s in SYSTEMS) + "; with the default "
+                             "--multi-source-langs: " + "; ".join(
+                                 s.name for s in multi_source_systems(MULTI_SOURCE_LANGS)))
+    parser.add_argument("--beam", type=int, default=4,
+                        help="beam size of fairseq-generate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="fairseq-train's --seed for every system (default: %(default)s)")
     args = parser.parse_args(argv)
     args.multi_source_langs = args.multi_source_langs.split(",")
     if SOURCE not in args.multi_source_langs:
@@ -328,10 +335,9 @@ def main(argv=None):
         stages.append(Stage(f"{'+'.join(langs)}->{TARGET}", corpus, args, settings, SENTENCE_BATCHES))
         reports.append(stages[-1].run(chosen_systems(args, multi_source_systems(langs)), adversarial_sources=langs))
 
-    with open(os.path.join(args.work_dir, "results.md"), "w") as f:
-        f.write("\n".join(reports))
-    with open(os.path.join(args.work_dir, "results.json"), "w") as f:
-        json.dump({"settings": settings, "stages": {stage.name: stage.record for stage in stages}}, f, indent=2)
+    write_text(os.path.join(args.work_dir, "results.md"), "\n".join(reports))
+    write_json(os.path.join(args.work_dir, "results.json"),
+               {"settings": settings, "stages": {stage.name: stage.record for stage in stages}})
     logger.info("finished in %.1f minutes; results in %s", (time.time() - start) / 60,
                 os.path.join(args.work_dir, "results.md"))
 

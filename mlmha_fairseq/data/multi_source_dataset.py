@@ -12,11 +12,13 @@ import numpy as np
 import torch
 from fairseq.data import FairseqDataset, data_utils
 
+from mlmha_fairseq.errors import UsageError
+
 from ..source_kinds import IMAGE, TEXT  # noqa: F401 (also imported from here)
 NPY_SUFFIX = ".npy"
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Misaligned or missing data, reported with the file names before training starts."""
 
 
@@ -30,7 +32,7 @@ class ImageFeatureDataset(FairseqDataset):
         self.path = path
         try:
             self.features = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, EOFError) as error:  # numpy: EOFError for an empty file
             raise DataError(f"cannot read image features {path}: {error}") from error
         if self.features.ndim != 3:
             raise DataError(f"image features {path} have shape {self.features.shape}; "

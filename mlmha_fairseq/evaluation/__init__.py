@@ -13,5 +13,4 @@ One module per mechanism:
 - ``probing``: probing classifiers on frozen encoder features.
 - ``checkpoint_averaging``: averaging fairseq checkpoints.
 - ``plotting``: the PNG figures written by every analysis.
-- ``cli_support``: argparse options and error handling shared by ``mlmha_fairseq.cli``.
 """

@@ -1,8 +1,9 @@
 """PNG figures for the analyses (matplotlib, Agg backend, small files)."""
-import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
+
+from mlmha_fairseq.output_files import atomic_output
 
 DPI = 100
 BAR_GROUP_WIDTH = 0.8
@@ -24,12 +25,12 @@ def pyplot():
 
 def save_figure(figure, path: str) -> None:
     """Write ``figure`` as a PNG (creating its folder) and close it."""
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=DPI)
-    pyplot().close(figure)
+    try:
+        with atomic_output(path) as temporary:
+            figure.savefig(temporary, dpi=DPI)
+    finally:
+        pyplot().close(figure)
 
 
 def _grouped_bars(axis, categories: Sequence[str], series: Dict[str, Sequence[float]]) -> None:
@@ -59,12 +60,17 @@ def plot_significance(names: Sequence[str], scores: Sequence[float],
                       intervals: Sequence[Optional[Tuple[float, float]]],
                       marks: Sequence[str], metric: str, method: str, path: str) -> None:
     """Each system's score with its 95% resampling interval and significance mark; the
-    first system is the baseline (dashed line)."""
+    first system is the baseline (dashed line).
+
+    The interval is drawn from its own bounds, not as error bars around the score: a
+    bootstrap interval need not contain the full test set's score (sacreBLEU's is centred
+    on the resampled mean), and error bars cannot be negative."""
     plt = pyplot()
     figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
     for position, (score, interval, mark) in enumerate(zip(scores, intervals, marks)):
-        error = None if interval is None else [[score - interval[0]], [interval[1] - score]]
-        axis.errorbar(position, score, yerr=error, fmt="o", capsize=4, color="tab:blue")
+        if interval is not None:
+            axis.plot([position, position], interval, marker="_", markersize=12, color="tab:blue")
+        axis.plot(position, score, "o", color="tab:blue")
         axis.annotate(f"{score:.2f}{mark}", (position, score), textcoords="offset points",
                       xytext=(8, 0), va="center")
     axis.axhline(scores[0], linestyle="--", color="grey")

@@ -116,6 +116,11 @@ def thesis_bootstrap(baseline: Sequence[str], system: Sequence[str],
     """
     if sample_size < 1 or n_samples < 1:
         raise InputError("the number of resamples and the sample size must be positive")
+    if sample_size > len(baseline):
+        logger.warning("thesis method: the sample size %d exceeds the test set (%d sentences): "
+                       "resamples larger than the test set understate the score's variance and "
+                       "overstate significance; pass --sample-size %d or less",
+                       sample_size, len(baseline), len(baseline))
     metric = build_metric(protocol)
     base_stats = sentence_statistics(metric, baseline, references)
     sys_stats = sentence_statistics(metric, system, references)
