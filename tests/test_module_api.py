@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mlmha_fairseq.modules.auxiliary_information_fusion import AuxiliaryInformationFusion
+from mlmha_fairseq.modules.dual_contextual import DualContextual
 
 
 def test_aif_default_has_no_dropout_on_the_fused_vector():
@@ -18,3 +19,39 @@ def test_aif_default_has_no_dropout_on_the_fused_vector():
 def test_aif_needs_an_auxiliary_decoder():
     with pytest.raises(ValueError, match="AIF needs at least one auxiliary decoder, got 0"):
         AuxiliaryInformationFusion(embed_dim=8, num_aux=0)
+
+
+def global_attention_probabilities(module, r):
+    """softmax(Q K^T / sqrt(d_k)) of the self-attention FI unit h_g = FI(r, r) (thesis
+    Eq. 5.6), per head: B x H x T x T; ``r``: T x B x C."""
+    unit = module.global_interaction
+    bsz, heads = r.size(1), module.num_heads
+    x = r.transpose(0, 1)  # B x T x C
+    q = (x @ unit.q_proj.weight.t()).view(bsz, -1, heads, module.head_dim).transpose(1, 2)
+    k = (x @ unit.k_proj.weight.t()).view(bsz, -1, heads, module.head_dim).transpose(1, 2)
+    return torch.softmax(q @ k.transpose(-1, -2) / module.head_dim ** 0.5, dim=-1)
+
+
+def test_dual_contextual_returns_the_global_unit_attention_only_when_asked():
+    """Called as fairseq calls a self-attention: no weights unless ``need_weights``; then the
+    weights of h_g = FI(r, r), averaged over heads (fairseq's format) or per head."""
+    torch.manual_seed(0)
+    module = DualContextual(embed_dim=8, num_heads=2, kernel_size=2, causal=False).eval()
+    r = torch.randn(5, 3, 8)
+    assert module(r, r, r)[1] is None
+    assert module(r, r, r, need_weights=False)[1] is None
+    expected = global_attention_probabilities(module, r)
+    torch.testing.assert_close(module(r, r, r, need_weights=True)[1], expected.mean(dim=1))
+    torch.testing.assert_close(module(r, r, r, need_weights=True, need_head_weights=True)[1],
+                               expected.transpose(0, 1))
+
+
+def test_dual_contextual_exposes_the_self_attention_cache_to_fairseqs_decoder_layer():
+    """fairseq's decoder layer reads ``self_attn._get_input_buffer(state)["prev_key"]``: the
+    keys of the self-attention unit so far, B x H x T x d_k."""
+    module = DualContextual(embed_dim=8, num_heads=2, kernel_size=3, causal=True).eval()
+    state = {}
+    for step in range(3):
+        r = torch.randn(1, 4, 8)
+        module(r, r, r, incremental_state=state)
+        assert module._get_input_buffer(state)["prev_key"].shape == (4, 2, step + 1, 4)
