@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mlmha_fairseq.modules.auxiliary_information_fusion import AuxiliaryInformationFusion
-from mlmha_fairseq.modules.dual_contextual import DualContextual
+from mlmha_fairseq.modules.dual_contextual import DualContextual, LocalContextualUnit
 
 
 def test_aif_default_has_no_dropout_on_the_fused_vector():
@@ -55,3 +55,38 @@ def test_dual_contextual_exposes_the_self_attention_cache_to_fairseqs_decoder_la
         r = torch.randn(1, 4, 8)
         module(r, r, r, incremental_state=state)
         assert module._get_input_buffer(state)["prev_key"].shape == (4, 2, step + 1, 4)
+
+
+def dual_contextual(**options):
+    torch.manual_seed(0)
+    return DualContextual(embed_dim=8, num_heads=2, kernel_size=3, causal=False, **options)
+
+
+def test_dual_contextual_and_its_local_unit_default_to_no_dropout():
+    r = torch.randn(5, 3, 8)
+    module = dual_contextual()
+    torch.testing.assert_close(module.train()(r, r, r)[0], module.eval()(r, r, r)[0])
+    local = LocalContextualUnit(embed_dim=8, kernel_size=2, causal=False)
+    torch.testing.assert_close(local.train()(r), local.eval()(r))
+
+
+def test_dual_contextual_dropout_applies_to_the_local_units_r_hat():
+    """``dropout`` = 1 drops all of ``r_hat`` in training (thesis Eq. 5.4 with dropout before
+    the residual): ``l_c = LN(r)``, as with a convolution that outputs zeros."""
+    r = torch.randn(5, 3, 8)
+    dropped = dual_contextual(dropout=1.0).train()
+    silent = dual_contextual().eval()
+    with torch.no_grad():
+        silent.local_unit.conv.weight.zero_()
+        silent.local_unit.conv.bias.zero_()
+    torch.testing.assert_close(dropped(r, r, r)[0], silent(r, r, r)[0])
+
+
+def test_dual_contextual_attention_dropout_applies_to_both_interaction_units():
+    """``attention_dropout`` = 1 drops every attention weight of h_l and h_g in training,
+    leaving ``z_hat = b_z``."""
+    r = torch.randn(5, 3, 8)
+    module = dual_contextual(attention_dropout=1.0).train()
+    with torch.no_grad():
+        module.merge_bias.copy_(torch.arange(8.0))
+    torch.testing.assert_close(module(r, r, r)[0], torch.arange(8.0).expand(5, 3, 8))
