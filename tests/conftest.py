@@ -13,7 +13,7 @@ CLI_FIXTURES = {"data_bin", "n_way_bin"}
 
 def pytest_collection_modifyitems(items):
     """Tests that run fairseq's command-line tools on a binarized corpus get the ``cli``
-    marker, so ``pytest -m "not cli"`` runs the in-process tier alone (docs/testing.md)."""
+    marker, so ``pytest -m "not cli"`` skips them (test tiers: docs/testing.md)."""
     for item in items:
         if CLI_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cli)

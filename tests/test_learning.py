@@ -17,7 +17,7 @@ import pytest
 import sacrebleu
 import torch
 from fairseq import checkpoint_utils
-from fairseq.models import ARCH_MODEL_REGISTRY
+from fairseq.models import ARCH_MODEL_NAME_REGISTRY, ARCH_MODEL_REGISTRY
 
 from fairseq_helpers import generate, hypotheses_and_references, run_fairseq, USER_DIR
 
@@ -42,16 +42,15 @@ UPDATES = 200
 # Models with auxiliary decoders train them with the joint loss (thesis Eq. 4.1).
 JOINT_LOSS = ["--criterion", "multi_decoder_label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
 
-# Measured after UPDATES updates (docs/testing.md): accuracy 0.37-0.72 with the own source,
-# 0.06-0.08 with another sentence's; BLEU 83-87.
+# Measured after UPDATES updates for 11 of the architectures (docs/testing.md): accuracy
+# 0.37-0.72 with the own source, 0.06-0.08 with another sentence's; BLEU 83-87.
 MIN_ACCURACY = 0.3
 MIN_SHUFFLE_DROP = 0.2  # accuracy with the own source minus with another sentence's
 MIN_BLEU = 50.0
 
 
 def training_options(arch):
-    model = ARCH_MODEL_REGISTRY[arch]
-    return JOINT_LOSS if model.__name__ == "MultiLevelSupervisionModel" else []
+    return JOINT_LOSS if ARCH_MODEL_NAME_REGISTRY[arch] == "ms_transformer" else []
 
 
 @pytest.fixture(scope="module", params=PACKAGE_ARCHS)
