@@ -59,3 +59,13 @@ def write_json(path: str, payload) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, indent=2, ensure_ascii=False)
         handle.write("\n")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) through a temporary file in the same folder and a rename, so
+    that a reader or an interrupted run never sees a half-written file."""
+    _ensure_parent(path)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(temporary, path)
