@@ -24,13 +24,18 @@ dir = "{corpus}"
 """
 
 
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Built before the tests' logs are captured (the corpus builder configures logging)."""
+    return tiny_corpus(tmp_path_factory.mktemp("tiny"), "fr")
+
+
 def commands(work):
     return (work / "commands.log").read_text().splitlines()
 
 
-def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, caplog):
+def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, caplog, corpus):
     work, config = tmp_path / "work", tmp_path / "grid.toml"
-    corpus = tiny_corpus(tmp_path, "fr")
     config.write_text(GRID.format(work=work, corpus=corpus))
     test_sentences = len(open(os.path.join(corpus, "text", "test.raw.en")).read().splitlines())
     arguments = [str(config), "--ar-trials", "50", "--bootstrap-samples", "20"]
@@ -59,10 +64,10 @@ def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, ca
     assert len(again) == 2 and all("--no-such-option" in line for line in again)  # only the failed runs
 
 
-def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path):
+def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
     work, config = tmp_path / "work", tmp_path / "grid.toml"
     config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 30\nbeam = 1\n'
-                      f'save_interval_updates = 1\n[corpus]\ndir = "{tiny_corpus(tmp_path, "fr")}"\n')
+                      f'save_interval_updates = 1\n[corpus]\ndir = "{corpus}"\n')
     run_dir = work / "runs" / "transformer--fairseq" / "seed1"
     process = subprocess.Popen([sys.executable, "-m", "mlmha_fairseq.cli.experiment", str(config)],
                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -82,3 +87,13 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path):
 
 def _text(path):
     return path.read_text() if path.exists() else ""
+
+
+def test_a_truncated_last_checkpoint_is_replaced_by_the_newest_update_checkpoint(tmp_path):
+    run = experiment.Run(experiment.lookup("transformer"), 1, str(tmp_path))
+    os.makedirs(run.checkpoints)
+    for name, content in (("checkpoint_last.pt", b"truncat"), ("checkpoint_1_5.pt", b"five"),
+                          ("checkpoint_1_10.pt", b"ten")):
+        (tmp_path / "checkpoints" / name).write_bytes(content)
+    experiment.usable_last_checkpoint(run)
+    assert (tmp_path / "checkpoints" / "checkpoint_last.pt").read_bytes() == b"ten"

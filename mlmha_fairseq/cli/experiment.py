@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -187,10 +188,32 @@ def last_update(log_path: str) -> int:
     return int(found[-1]) if found else 0
 
 
+def usable_last_checkpoint(run: Run) -> None:
+    """Before a resume: fairseq writes each update checkpoint through a temporary file, but
+    copies it to ``checkpoint_last.pt`` in place, so a run stopped during that copy leaves a
+    truncated file; it is replaced by the newest update checkpoint."""
+    from fairseq.checkpoint_utils import checkpoint_paths, load_checkpoint_to_cpu
+
+    last = os.path.join(run.checkpoints, "checkpoint_last.pt")
+    if not os.path.isfile(last):
+        return
+    try:
+        load_checkpoint_to_cpu(last)
+    except Exception as error:  # any unreadable file: torch raises several kinds
+        newest = checkpoint_paths(run.checkpoints, r"checkpoint_\d+_(\d+)\.pt")
+        logger.warning("  %s is unreadable (%s); resuming from %s", last, type(error).__name__,
+                       newest[0] if newest else "scratch")
+        os.remove(last)
+        if newest:
+            shutil.copyfile(newest[0], last + ".tmp")
+            os.replace(last + ".tmp", last)
+
+
 def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     """fairseq-train into ``run.checkpoints``; fairseq restores ``checkpoint_last.pt`` there
     when a previous attempt was stopped. Keeps the last update checkpoints for averaging."""
     interval = settings.save_interval_updates or max(1, settings.max_update // 4)
+    usable_last_checkpoint(run)
     system = run.system
     run_command(fairseq(
         "train", settings.data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch,
