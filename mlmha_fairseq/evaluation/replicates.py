@@ -114,6 +114,7 @@ class ReplicateReport:
     signatures: Dict[str, str]
     meteor_note: str
     settings: Dict
+    extra_columns: List[str] = field(default_factory=list)  # titles of the extra columns, in order
 
     def as_dict(self) -> Dict:
         rows = []
@@ -165,7 +166,7 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
         rows.append(row)
     meteor_note = ("nltk meteor_score (exact, stem, WordNet 3.0 synonyms; no paraphrases), mean sentence score x 100"
                    if wordnet.reader is not None else f"{UNAVAILABLE}: {wordnet.reason}")
-    return ReplicateReport(baseline_name, rows, signatures, meteor_note, asdict(options))
+    return ReplicateReport(baseline_name, rows, signatures, meteor_note, asdict(options), list(extra or {}))
 
 
 def _number(value: Optional[float], digits: int = 2) -> str:
@@ -199,13 +200,6 @@ HEADERS = ["system", "BLEU", "Δ", "s_sel", "p (AR)", "p (paired bootstrap, per 
            "BLEU per seed", "seeds"]
 
 
-def _extra_titles(report: ReplicateReport) -> List[str]:
-    titles = []
-    for row in report.rows:
-        titles += [title for title in row.extra if title not in titles]
-    return titles
-
-
 def _footnote(report: ReplicateReport, budget: str) -> str:
     seeds = sorted({len(row.seeds) for row in report.rows})
     count = " or ".join(map(str, seeds))
@@ -219,7 +213,7 @@ def _footnote(report: ReplicateReport, budget: str) -> str:
 
 
 def markdown_table(report: ReplicateReport, budget: str) -> str:
-    titles = _extra_titles(report)
+    titles = report.extra_columns
     header = HEADERS + titles
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cells(report, row, " ± ", titles, "—")) + " |" for row in report.rows]
@@ -235,7 +229,7 @@ def _latex_escape(text: str) -> str:
 
 
 def latex_table(report: ReplicateReport, budget: str) -> str:
-    titles = _extra_titles(report)
+    titles = report.extra_columns
     header = HEADERS + titles
     lines = [r"\begin{tabular}{l" + "r" * (len(header) - 1) + "}", r"\hline",
              " & ".join(_latex_escape(h) for h in header) + r" \\", r"\hline"]
