@@ -63,6 +63,12 @@ def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, ca
     again = commands(work)[len(first):]
     assert len(again) == 2 and all("--no-such-option" in line for line in again)  # only the failed runs
 
+    (work / "results.json").unlink()
+    assert experiment.main(arguments + ["--report-only"]) == 0  # the table of what finished, no training
+    assert len(commands(work)) == len(first) + 2
+    assert [row["name"] for row in json.loads((work / "results.json").read_text())["systems"]] == [
+        "Transformer (fairseq)", "MLMHA M-00"]
+
 
 def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
     work, config = tmp_path / "work", tmp_path / "grid.toml"

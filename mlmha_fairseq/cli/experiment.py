@@ -486,6 +486,8 @@ def parse_args(argv=None):
     parser.add_argument("--seeds", type=int, help="run seeds 1..N (overrides the file's seeds)")
     parser.add_argument("--work-dir", help="overrides the file's work_dir")
     parser.add_argument("--max-update", type=int, help="overrides the file's max_update")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the table of the runs finished so far; train nothing")
     parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials")
     parser.add_argument("--bootstrap-samples", type=int, default=1000,
                         help="bootstrap resamples for s_sel and the paired bootstrap")
@@ -512,13 +514,13 @@ def main(argv=None) -> int:
     grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
     logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
                 len(grid.runs), settings.budget, work_dir)
-    failures = grid.execute(references)
+    failures = [] if args.report_only else grid.execute(references)
     systems = grid.hypotheses()
     if systems and systems[0][0] == experiment.baseline:
         report = build_report(systems, [references],
                               ReplicateOptions(args.bootstrap_samples, args.ar_trials))
         table = write_report(report, os.path.join(work_dir, "results"), settings.budget,
-                             f"{len(experiment.seeds)} seeds per system")
+                             os.path.basename(args.config))
         print("\n" + table)
         logger.info("results: %s.{md,tex,json,png}", os.path.join(work_dir, "results"))
     else:
