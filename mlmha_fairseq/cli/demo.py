@@ -12,7 +12,7 @@ Steps, each printed with the command it runs:
    sacreBLEU's paired bootstrap resampling (1,000 resamples);
 4. print and save (``results.md``, ``results.json``) the table and a few translations.
 
-``--seeds N`` trains every system with seeds 1..N (optimizer replicates) and reports them as
+``--seeds N`` trains every system with N seeds from ``--seed`` on (optimizer replicates) and reports them as
 MultEval does (Clark et al. 2011): mean ± sd over seeds, s_sel, approximate randomization over
 the replicates, sacreBLEU's paired bootstrap per seed, chrF and METEOR; each table also as
 ``results-<stage>.{md,tex,json,png}``. The runs are those of ``mlmha_fairseq.cli.experiment``
@@ -34,8 +34,8 @@ import time
 from typing import Dict, List, Set
 
 from mlmha_fairseq.cli.experiment import (
-    TOKEN_BATCHES, Batching, Grid, Run, Settings, build_corpus, checkpoint_to_decode, decode, detokenized, minutes, report_failures,
-    slug,
+    TOKEN_BATCHES, Batching, Grid, Run, Settings, build_corpus, checkpoint_to_decode, decode, detokenized, minutes,
+    report_failures, slug,
 )
 from mlmha_fairseq.cli.systems import DEMO_SYSTEMS as SYSTEMS
 from mlmha_fairseq.cli.systems import MULTI_SOURCE_STRATEGIES as STRATEGIES
