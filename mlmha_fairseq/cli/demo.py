@@ -220,7 +220,8 @@ def main(argv=None):
     write_text_atomic(os.path.join(args.work_dir, "results.md"), "\n".join(reports))
     write_json(os.path.join(args.work_dir, "results.json"),
                {"settings": dict(settings, seeds=args.seeds), "stages": {stage.name: stage.record for stage in stages}})
-    logger.info("finished in %s; results in %s", minutes(time.time() - start), os.path.join(args.work_dir, "results.md"))
+    logger.info("finished in %s; results in %s", minutes(time.time() - start),
+                os.path.join(args.work_dir, "results.md"))
     if any(stage.failures for stage in stages):
         sys.exit(1)
 
