@@ -32,47 +32,15 @@ from typing import Dict, List, Tuple
 import torch
 
 from mlmha_fairseq.cli import _support as cli_support
+from mlmha_fairseq.cli.systems import BENCHMARK_KEYS, lookup
 
 logger = logging.getLogger("mlmha_fairseq.benchmark")
-BASELINE = "transformer"
+BASELINE = BENCHMARK_KEYS[0]
 
-# name -> (architecture, options); the fixed size is set by --size on top of these.
+# name -> (architecture, options), from the package's one list of systems; the fixed size
+# is set by --size on top of these.
 CONFIGURATIONS: Dict[str, Tuple[str, List[str]]] = {
-    BASELINE: ("transformer", []),
-    "slot_transformer": ("slot_transformer", []),
-    **{
-        f"mlmha {variant}": ("slot_transformer", ["--decoder-cross-attention", "multi-layer", "--mlmha-variant", variant])
-        for variant in ("M-00", "M-01", "M-10", "M-11")
-    },
-    **{
-        f"aggregation {name}": ("slot_transformer", ["--layer-aggregation", name])
-        for name in ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")
-    },
-    **{
-        f"mlrf {name}": ("slot_transformer", ["--mlrf-encoder-fusion", encoder, "--mlrf-decoder-fusion", decoder, *extra])
-        for name, encoder, decoder, extra in (
-            ("Enc-FNN", "fnn", "none", []),
-            ("Dec-SA", "none", "sa", []),
-            ("Dec-SA + indep. W1", "none", "sa", ["--mlrf-indep-w1"]),
-            ("Both-FNN-SA", "fnn", "sa", []),
-        )
-    },
-    "mma": ("slot_transformer", ["--encoder-self-attention", "mixed"]),  # H/4 heads each of G, L, F, B
-    # Dual Contextual (thesis ch. 5, f = 2): Enc-DC, Dec-DC, Full-DC
-    "dc encoder": ("slot_transformer", ["--dc-encoder-layers", "all"]),
-    "dc decoder": ("slot_transformer", ["--dc-decoder-layers", "all"]),
-    "dc full": ("slot_transformer", ["--dc-encoder-layers", "all", "--dc-decoder-layers", "all"]),
-    # multi-level supervision (thesis ch. 4, Table 4.6a), trained with the joint loss: without
-    # AIF generation runs the main decoder only; with AIF the auxiliary decoders run in lock-step.
-    **{
-        name: ("ms_transformer", ["--aux-decoder-layers", layers, *fusion,
-                                  "--criterion", "multi_decoder_label_smoothed_cross_entropy"])
-        for name, layers, fusion in (
-            ("MS-1", "1", []),
-            ("MS-1 + AIF", "1", ["--aux-fusion"]),
-            ("MS-123 + AIF", "1,2,3", ["--aux-fusion"]),
-        )
-    },
+    key: (lookup(key).arch, lookup(key).options) for key in BENCHMARK_KEYS
 }
 
 SIZES = {

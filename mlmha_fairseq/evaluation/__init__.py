@@ -7,6 +7,9 @@ One module per mechanism:
 - ``scoring``: the documents' BLEU/chrF protocols on top of sacreBLEU.
 - ``significance``: paired bootstrap (sacreBLEU, compare-mt, thesis protocol) and
   paired approximate randomization.
+- ``replicates``: optimizer replicates reported as MultEval does (mean ± sd over seeds,
+  s_sel, approximate randomization over the replicates) as Markdown/LaTeX/JSON/PNG.
+- ``meteor``: METEOR through nltk with WordNet 3.0 from an installed package.
 - ``length_buckets``: BLEU by source-length bucket.
 - ``attention_statistics``: encoder self-attention mean distance and entropy.
 - ``model_loading``: loading a fairseq checkpoint and encoding sentences.

@@ -129,3 +129,27 @@ def plot_probing(tasks: Sequence[str], accuracies: Dict[str, Sequence[float]], p
     _grouped_bars(axis, tasks, accuracies)
     axis.set_ylabel("test accuracy (%)")
     save_figure(figure, path)
+
+
+def plot_replicates(names: Sequence[str], per_seed: Sequence[Sequence[float]], metric: str, title: str,
+                    path: str) -> None:
+    """Each system's per-seed scores as dots, with their mean and standard deviation, so that
+    the seed-to-seed spread is visible; the first system is the baseline (dashed line)."""
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
+    for position, values in enumerate(per_seed):
+        values = np.asarray(values, dtype=np.float64)
+        spread = values.std(ddof=1) if len(values) > 1 else 0.0
+        axis.errorbar(position + 0.15, values.mean(), yerr=spread, fmt="s", capsize=4, color="tab:orange",
+                      label="mean ± sd" if position == 0 else None)
+        axis.scatter(np.full(len(values), position - 0.1), values, color="tab:blue", zorder=3,
+                     label="one seed" if position == 0 else None)
+    axis.axhline(np.mean(per_seed[0]), linestyle="--", color="grey")
+    axis.set_xticks(range(len(names)))
+    axis.set_xticklabels(names, rotation=20, ha="right")
+    axis.set_xlim(-0.5, len(names) - 0.5)
+    axis.set_ylabel(metric)
+    if title:
+        axis.set_title(title, fontsize="medium")
+    axis.legend(fontsize="small")
+    save_figure(figure, path)
