@@ -37,12 +37,13 @@ def write_reversal_corpus(directory: Path, sizes=(("train", 300), ("valid", 16),
                 tgt.write(" ".join(reversed(words)) + "\n")
 
 
-def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None):
-    """Run ``fairseq-<tool>`` (as ``python -m fairseq_cli.<tool>``) and return the result.
+def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, module=None):
+    """Run ``fairseq-<tool>`` (as ``python -m fairseq_cli.<tool>``, or ``module`` that stands
+    in for it) and return the result.
 
     One intra-op thread: tiny models gain nothing from more, and test processes share cores."""
     result = subprocess.run(
-        [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)],
+        [sys.executable, "-m", module or f"fairseq_cli.{tool}", *map(str, args)],
         capture_output=True, text=True, cwd=cwd, input=input,
         env={"OMP_NUM_THREADS": "1", **(env or os.environ)},
     )
