@@ -12,8 +12,10 @@ import pytest
 import mlmha_fairseq.cli
 from mlmha_fairseq.cli import demo
 
+# systems: the named systems' registry, no command; train: fairseq-train's own parser and options.
+NOT_OWN_COMMANDS = {"systems", "train"}
 CLI_MODULES = sorted(info.name for info in pkgutil.iter_modules(mlmha_fairseq.cli.__path__)
-                     if not info.name.startswith("_"))
+                     if not info.name.startswith("_") and info.name not in NOT_OWN_COMMANDS)
 # Actions whose default is not a value the user could choose.
 NO_DEFAULT_SHOWN = (argparse._HelpAction, argparse._StoreTrueAction, argparse._StoreFalseAction,
                     argparse._VersionAction)

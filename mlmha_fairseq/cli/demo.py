@@ -26,13 +26,13 @@ fixed-seed derangement of the test set (the adversarial evaluation).
 ``--multi-source-only`` runs that second table alone (with the quick settings unless ``--full``).
 Usage: ``python -m mlmha_fairseq.cli.demo --help``.
 """
-import argparse
 import logging
 import os
 import sys
 import time
 from typing import Dict, List, Set
 
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.cli.experiment import (
     TOKEN_BATCHES, Batching, Grid, Run, Settings, build_corpus, checkpoint_to_decode, decode, detokenized, minutes,
     report_failures, slug,
@@ -70,8 +70,9 @@ SENTENCE_BATCHES = Batching("--batch-size", 96, "sentences")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--work-dir", default="work-demo", help="data, checkpoints, outputs, logs")
+    parser = cli_support.make_parser(__spec__.name, __doc__)
+    parser.add_argument("--work-dir", default="work-demo",
+                        help="data, checkpoints, outputs, logs and results (default: %(default)s)")
     parser.add_argument("--corpus-dir",
                         help=f"use this corpus made by mlmha_fairseq.cli.build_corpus ({SOURCE}->{TARGET} "
                              "sides) instead of building one in the work directory")
@@ -85,15 +86,22 @@ def parse_args(argv=None):
     parser.add_argument("--multi-source-langs", default=",".join(MULTI_SOURCE_LANGS),
                         help="with --full or --multi-source-only: the sources of the multi-source "
                              f"table, {SOURCE} among them (default: %(default)s)")
-    parser.add_argument("--max-update", type=int, help="training updates per system (overrides the preset)")
+    parser.add_argument("--max-update", type=int,
+                        help=f"training updates per system (default: {QUICK['max_update']}, "
+                             f"with --full {FULL['max_update']})")
     parser.add_argument("--systems",
                         help="comma-separated system names of either table to run; a table runs its "
-                             "baseline and the systems named, or all of them when none is named")
-    parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=1, help="the training seed (with --seeds: the first)")
+                             "baseline and the systems named, or all of them when none is named. "
+                             "Names: " + "; ".join(s.name for s in SYSTEMS) + "; with the default "
+                             "--multi-source-langs: " + "; ".join(
+                                 s.name for s in multi_source_systems(MULTI_SOURCE_LANGS)))
+    parser.add_argument("--beam", type=int, default=4,
+                        help="beam size of fairseq-generate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="fairseq-train's --seed (with --seeds: the first) (default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="train every system with this many seeds (optimizer replicates), "
-                             "--seed, --seed+1, ...; the tables report mean ± sd over them")
+                             "--seed, --seed+1, ...; the tables report mean ± sd over them (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")

@@ -11,22 +11,22 @@ appended to ``<work_dir>/commands.log``.
 Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir DIR]``;
 ``examples/experiment/demo.toml`` is the quick demo's grid with 3 seeds. Config keys::
 
-    work_dir = "work-experiment"        # runs/, logs/, results.* (relative to the current folder)
-    seeds = [1, 2, 3]                   # or a count: 3 = seeds 1..3
-    baseline = "transformer"            # default: the first system
-    systems = ["transformer", "mlmha M-00",                       # names of mlmha_fairseq.cli.systems
+    work_dir = "work-experiment"  # runs/, logs/, results.* (relative to the current folder)
+    seeds = [1, 2, 3]  # or a count: 3 = seeds 1..3
+    baseline = "transformer"  # default: the first system
+    systems = ["transformer", "mlmha M-00",  # names of mlmha_fairseq.cli.systems
                { name = "M-00 no dropout", base = "mlmha M-00", args = ["--dropout", "0"] },
                { name = "my system", arch = "slot_transformer", args = ["--layer-aggregation", "s-agg"] }]
     max_update = 400
     beam = 4
-    max_tokens = 4096                   # or batch_size = 96 (sentences)
-    average_last = 0                    # k > 0: decode the average of the last k update checkpoints
-    save_interval_updates = 100         # default: max_update / 4
-    model_args = [...]                  # default: the demo's model (d=128, 3+3 layers)
-    train_args = []                     # added to every fairseq-train command
-    generate_args = []                  # added to every fairseq-generate command
+    max_tokens = 4096  # or batch_size = 96 (sentences)
+    average_last = 0  # k > 0: decode the average of the last k update checkpoints
+    save_interval_updates = 100  # default: max_update / 4
+    model_args = [...]  # default: the demo's model (d=128, 3+3 layers)
+    train_args = []  # added to every fairseq-train command
+    generate_args = []  # added to every fairseq-generate command
 
-    [corpus]                            # an existing mlmha_fairseq.cli.build_corpus output ...
+    [corpus]  # an existing mlmha_fairseq.cli.build_corpus output ...
     dir = "work-demo/corpus-fr"
     # ... or what to build (into work_dir/corpus-<sources> unless dir is given)
     sources = ["fr"]
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlmha_fairseq
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.cli.systems import System, lookup
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
@@ -480,17 +481,16 @@ def prepare_corpus(corpus: Dict, work_dir: str) -> Tuple[str, str]:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("config", help="TOML file: systems, seeds, corpus, budget (see the module's docstring)")
     parser.add_argument("--seeds", type=int, help="run seeds 1..N (overrides the file's seeds)")
     parser.add_argument("--work-dir", help="overrides the file's work_dir")
     parser.add_argument("--max-update", type=int, help="overrides the file's max_update")
     parser.add_argument("--report-only", action="store_true",
                         help="write the table of the runs finished so far; train nothing")
-    parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials")
+    parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials (default: %(default)s)")
     parser.add_argument("--bootstrap-samples", type=int, default=1000,
-                        help="bootstrap resamples for s_sel and the paired bootstrap")
+                        help="bootstrap resamples for s_sel and the paired bootstrap (default: %(default)s)")
     return parser.parse_args(argv)
 
 

@@ -17,6 +17,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 
 import mlmha_fairseq  # noqa: F401 (registers the models)
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.models.options import option_of
 from mlmha_fairseq.models.slots import SELECTABLE_SLOTS
@@ -71,9 +72,10 @@ def list_options(arch: str) -> List[Dict[str, object]]:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m " + __spec__.name, description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", default=DEFAULT_ARCH, help=f"architecture (default {DEFAULT_ARCH})")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser = cli_support.make_parser(__spec__.name, __doc__)
+    parser.add_argument("--arch", default=DEFAULT_ARCH, help="architecture (default: %(default)s)")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="a table for reading or JSON for tools (default: %(default)s)")
     return parser
 
 
