@@ -155,7 +155,10 @@ def test_dual_contextual_encoder_and_causal_decoder_follow_eqs_5_4_to_5_7(norm, 
 
 # --- MLRF: Wang et al. 2018, Eqs. 3-7 ------------------------------------------------------
 
-MLRF_SIZES = ["--mlrf-hops", "2", "--mlrf-attention-dim", "8", "--mlrf-ffn-dim", "12"]
+def mlrf_sizes(function):
+    """Small sizes for the options ``function`` uses (an option of a fusion that is off is refused)."""
+    return {"avg": [], "fnn": ["--mlrf-ffn-dim", "12"],
+            "sa": ["--mlrf-hops", "2", "--mlrf-attention-dim", "8", "--mlrf-ffn-dim", "12"]}[function]
 
 
 def fuse_layers(states, params, name, function):
@@ -188,7 +191,7 @@ def test_decoder_side_mlrf_replaces_the_top_layer_before_the_final_layer_norm(no
     replaces the top layer as the input of the output projection (Eq. 3); in pre-norm the
     decoder's final LayerNorm then normalises the fused vector, as it would the top layer."""
     model, params, src, lengths, prev, pad = model_and_batch(
-        "slot_transformer", "--mlrf-decoder-fusion", function, *MLRF_SIZES, *norm, left_pad=left_pad)
+        "slot_transformer", "--mlrf-decoder-fusion", function, *mlrf_sizes(function), *norm, left_pad=left_pad)
     pre_norm = bool(norm)
     _, out, mask = reference_encoder(params, src, pad, norm)
     states = ref.decoder_states(prev, [out] * DECODER_LAYERS, mask, params, "decoder", HEADS, pre_norm, pad)
@@ -205,7 +208,7 @@ def test_encoder_side_mlrf_is_the_memory_of_every_decoder_layer(norm, left_pad, 
     one as the decoder sees it, after the final LayerNorm in pre-norm) is every decoder
     layer's cross-attention memory."""
     model, params, src, lengths, prev, pad = model_and_batch(
-        "slot_transformer", "--mlrf-encoder-fusion", function, *MLRF_SIZES, *norm, left_pad=left_pad)
+        "slot_transformer", "--mlrf-encoder-fusion", function, *mlrf_sizes(function), *norm, left_pad=left_pad)
     states, out, _ = reference_encoder(params, src, pad, norm)
     memory = fuse_layers(states[:-1] + [out], params, "encoder.memories.mlrf_fusion", function)
     expected = reference_logits(params, src, prev, pad, norm, memories=[memory] * DECODER_LAYERS)
