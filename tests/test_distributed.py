@@ -10,11 +10,19 @@ import sys
 import pytest
 import torch
 
-from fairseq_helpers import train_args
+from fairseq_helpers import USER_DIR, train_args
 
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 WORLD_SIZE = 2
 TIMEOUT_S = 300
+
+
+def worker_env():
+    """The environment of the rank processes: the package imported from the folder the tests
+    pass as --user-dir (fairseq refuses a --user-dir whose package is already imported from
+    another path, e.g. the link in site-packages)."""
+    paths = [os.path.dirname(USER_DIR), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 def free_port():
@@ -25,7 +33,7 @@ def free_port():
 
 def train_data_parallel(data_bin, tmp_path, arch, *extra, max_update=3):
     port = free_port()
-    env = {**os.environ, "DDP_DUMP_DIR": str(tmp_path)}
+    env = {**worker_env(), "DDP_DUMP_DIR": str(tmp_path)}
     ranks = [
         subprocess.Popen(
             [sys.executable, WORKER, *map(str, train_args(data_bin, tmp_path / "ckpt", arch, *extra, max_update=max_update)),
@@ -69,7 +77,7 @@ DETERMINISTIC = ["--dropout", "0", "--ddp-backend", "legacy_ddp"]
 
 def run_dumping(command, dump_dir):
     dump_dir.mkdir(exist_ok=True)
-    result = subprocess.run(command, env={**os.environ, "DDP_DUMP_DIR": str(dump_dir), "OMP_NUM_THREADS": "1"},
+    result = subprocess.run(command, env={**worker_env(), "DDP_DUMP_DIR": str(dump_dir), "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout
