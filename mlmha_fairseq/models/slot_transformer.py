@@ -439,15 +439,6 @@ class SlotTransformerModel(TransformerModel):
         cfg = TransformerConfig.from_namespace(cfg)
         return cls.decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
-    def set_beam_size(self, beam_size: int):
-        """fairseq's ``SequenceGenerator`` gives the beam size to models that take it: this
-        package's attention modules that cache per sentence in beam search learn it (MLMHA's
-        n projected encoder layers, which would otherwise be copied at every step); fairseq's
-        own modules keep fairseq's transformer behaviour."""
-        for module in self.decoder.modules():
-            if hasattr(module, "set_beam_size") and module.__module__.startswith("mlmha_fairseq.modules."):
-                module.set_beam_size(beam_size)
-
 
 @register_model_architecture("slot_transformer", "slot_transformer")
 def slot_transformer(args):

@@ -57,28 +57,6 @@ def _attention_masks(key_padding_mask: Tensor) -> Tuple[Tensor, Tensor]:
     return attend[:, None, None, :], empty[:, None, None, :]
 
 
-def _fold_beams(query: Tensor, beams: int) -> Tensor:
-    """(B*beams) x H' x Tt x E -> B x H' x (beams*Tt) x E: the beams of a sentence become
-    more query positions against the sentence's one row of keys (rows of attention are
-    independent, so this is exact)."""
-    if beams == 1:
-        return query
-    rows, heads, tgt_len, dim = query.shape
-    return query.view(rows // beams, beams, heads, tgt_len, dim).transpose(1, 2).reshape(
-        rows // beams, heads, beams * tgt_len, dim
-    )
-
-
-def _unfold_beams(folded: Tensor, beams: int) -> Tensor:
-    """The inverse of ``_fold_beams`` for contexts or probabilities."""
-    if beams == 1:
-        return folded
-    sentences, heads, positions, dim = folded.shape
-    return folded.view(sentences, heads, beams, positions // beams, dim).transpose(1, 2).reshape(
-        sentences * beams, heads, positions // beams, dim
-    )
-
-
 @with_incremental_state
 class MultiLayerMultiheadAttention(nn.Module):
     """MLMHA sublayer (Eqs. 7-12): attention of the decoder over n encoder taps.
@@ -139,7 +117,6 @@ class MultiLayerMultiheadAttention(nn.Module):
         self.out_proj = nn.Linear(context_dim, embed_dim, bias=bias)
         self.memory_key = memory_key  # the encoder_out entry the decoder hands as the taps
         self.dropped_layer_index = dropped_layer_index
-        self.beam_size = 1
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -156,13 +133,6 @@ class MultiLayerMultiheadAttention(nn.Module):
         nn.init.xavier_uniform_(self.out_proj.weight)
         if self.out_proj.bias is not None:
             nn.init.zeros_(self.out_proj.bias)
-
-    def set_beam_size(self, beam_size: int):
-        """Beam search with ``beam_size`` hypotheses per sentence in consecutive rows (as
-        fairseq's ``SequenceGenerator`` lays them out): the cached taps then hold one row per
-        sentence, the beams of a sentence share it, and reordering the beams of a sentence
-        copies nothing (fairseq's "beamable" encoder-decoder attention)."""
-        self.beam_size = beam_size
 
     @property
     def dropped_layer_index(self) -> Optional[int]:
@@ -211,27 +181,16 @@ class MultiLayerMultiheadAttention(nn.Module):
         if cache is None:
             if key is None:
                 raise ValueError("the encoder taps (key) are needed at the first step")
-            beams = self.beam_size
-            if incremental_state is not None and beams > 1 and key.size(2) == query.size(1) and key.size(2) % beams == 0:
-                # every beam of a sentence has the sentence's taps: keep its first row
-                key = key[:, :, ::beams]
-                if key_padding_mask is not None:
-                    key_padding_mask = key_padding_mask[::beams]
             cache = self._prepare_taps(key, key_padding_mask)
             if incremental_state is not None:
                 self._set_input_buffer(incremental_state, cache)
         query_heads = self._project_query(query)
-        assert cache["key"] is not None
-        beams = query_heads.size(0) // cache["key"].size(0)  # > 1 with per-sentence taps
-        query_heads = _fold_beams(query_heads, beams)
         if need_weights:
             context, probs = self._attend_with_weights(query_heads, cache)
-            probs = _unfold_beams(probs, beams)
             weights = self._report_weights(probs, need_head_weights)
         else:
             context = self._attend_fused(query_heads, cache)
             weights = None
-        context = _unfold_beams(context, beams)
         return self.out_proj(self._merge_contexts(context, query.size(0))), weights
 
     def _cached_taps(
@@ -405,14 +364,6 @@ class MultiLayerMultiheadAttention(nn.Module):
         buffer = self._get_input_buffer(incremental_state)
         if not buffer:
             return incremental_state
-        cached_key = buffer["key"]
-        assert cached_key is not None
-        rows = cached_key.size(0)
-        if self.beam_size > 1 and rows * self.beam_size == new_order.numel():
-            return incremental_state  # beams moved within their sentences: same taps
-        if self.beam_size > 1 and rows != new_order.numel():
-            # per-sentence taps, some sentences finished: the sentence of each beam group
-            new_order = new_order.view(-1, self.beam_size)[:, 0] // self.beam_size
         for name, cached in buffer.items():
             if cached is not None:
                 buffer[name] = cached.index_select(0, new_order)
