@@ -67,6 +67,9 @@ class MultiLayerMultiheadAttention(nn.Module):
 
     Drop-in replacement for ``TransformerDecoderLayerBase.encoder_attn``: the
     ``key`` argument carries the stacked taps ``n x Ts x B x C`` (bottom to top).
+    Written on ``F.scaled_dot_product_attention`` rather than as a fairseq
+    ``MultiheadAttention``, which projects one key sequence with one projection:
+    here each of the n taps has its own, and the joint variants sum n logits.
 
     Parameters (state-dict keys), row-major like ``nn.Linear`` (out x in):
     ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``: ``n x d x d``, slice
