@@ -123,3 +123,21 @@ def plot_probing(tasks: Sequence[str], accuracies: Dict[str, Sequence[float]], p
     _grouped_bars(axis, tasks, accuracies)
     axis.set_ylabel("test accuracy (%)")
     save_figure(figure, path)
+
+
+def plot_epoch_curves(runs: Dict[str, Dict[str, Sequence[Tuple[int, float]]]], stat: str,
+                      path: str) -> None:
+    """One panel per split (train, valid): ``stat`` against the epoch, one line per run."""
+    plt = pyplot()
+    splits = list(next(iter(runs.values())))
+    figure, axes = plt.subplots(1, len(splits), figsize=LINE_FIGSIZE, squeeze=False)
+    for axis, split in zip(axes[0], splits):
+        for name, curves in runs.items():
+            if curves[split]:
+                epochs, values = zip(*curves[split])
+                axis.plot(epochs, values, marker=".", label=name)
+        axis.set_xlabel("epoch")
+        axis.set_ylabel(stat)
+        axis.set_title(split, fontsize="medium")
+        axis.legend(fontsize="small")
+    save_figure(figure, path)
