@@ -241,3 +241,20 @@ def test_mask_ablation_at_generation_time(data_bin, tmp_path):
         data_bin, tmp_path, "slot_transformer", *mlmha("M-10"),
         generate_options=["--model-overrides", "{'mlmha_mask_encoder_layer': 2, 'mlmha_mask_mode': 'drop'}"],
     )
+
+
+@pytest.mark.parametrize(
+    "sharing, saved_per_layer",
+    [(["--mlmha-share-query"], (ENCODER_LAYERS - 1) * D**2),
+     (["--mlmha-share-kv"], 2 * (ENCODER_LAYERS - 1) * D**2),
+     (["--mlmha-share-query", "--mlmha-share-kv"], 3 * (ENCODER_LAYERS - 1) * D**2)],
+    ids=["share-query", "share-kv", "share-both"],
+)
+def test_sharing_options_remove_the_per_layer_projections(sharing, saved_per_layer):
+    """--mlmha-share-query keeps one of the n query projections, --mlmha-share-kv one of the
+    n key/value pairs, in every decoder layer; decoding stays incremental."""
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *mlmha("M-10", *sharing), dictionary=dictionary)
+    default = build_model("slot_transformer", *mlmha("M-10"))
+    assert num_params(default) - num_params(model) == DECODER_LAYERS * saved_per_layer
+    assert_incremental_matches_full(model, dictionary)

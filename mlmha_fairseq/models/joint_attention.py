@@ -55,6 +55,12 @@ def add_args(parser):
     parser.add_argument("--mlmha-bias", action="store_true",
                        help="biases on the MLMHA projections (default: bias-free, as the "
                             "authors' code)")
+    parser.add_argument("--mlmha-share-query", action="store_true",
+                       help="one MLMHA query projection for all n collected layers (default: "
+                            "one per layer, as the paper's parameter counts)")
+    parser.add_argument("--mlmha-share-kv", action="store_true",
+                       help="one MLMHA key and one value projection for all n collected layers "
+                            "(default: one pair per layer, as the paper's parameter counts)")
     parser.add_argument("--mlmha-mask-encoder-layer", type=int, metavar="L",
                        help="ablation (inference): remove what encoder layer L (1..L) "
                             "contributes, e.g. fairseq-generate --model-overrides "
@@ -73,6 +79,8 @@ def set_defaults(args):
     args.mlmha_variant = getattr(args, "mlmha_variant", "M-00")
     args.mlmha_top_n = getattr(args, "mlmha_top_n", None)
     args.mlmha_bias = getattr(args, "mlmha_bias", False)
+    args.mlmha_share_query = getattr(args, "mlmha_share_query", False)
+    args.mlmha_share_kv = getattr(args, "mlmha_share_kv", False)
     args.mlmha_mask_encoder_layer = getattr(args, "mlmha_mask_encoder_layer", None)
     args.mlmha_mask_mode = getattr(args, "mlmha_mask_mode", MASK_ZERO)
     args.layer_aggregation = getattr(args, "layer_aggregation", NO_AGGREGATION)
@@ -190,6 +198,8 @@ def build_multi_layer_attention(cfg, layer_idx, embed_dim):
     attention = MultiLayerMultiheadAttention(
         embed_dim, cfg.decoder.attention_heads, _top_n(cfg), joint_weights, concat_contexts,
         dropout=cfg.attention_dropout, bias=safe_getattr(cfg, "mlmha_bias", False),
+        share_query=safe_getattr(cfg, "mlmha_share_query", False),
+        share_kv=safe_getattr(cfg, "mlmha_share_kv", False),
     )
     attention.memory_key = TAPS_KEY
     if safe_getattr(cfg, "mlmha_mask_mode", MASK_ZERO) == MASK_DROP:
