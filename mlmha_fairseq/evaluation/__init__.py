@@ -12,7 +12,7 @@ One module per mechanism:
 - ``model_loading``: loading a fairseq checkpoint and encoding sentences.
 - ``probing``: probing classifiers on frozen encoder features.
 - ``checkpoint_averaging``: averaging fairseq checkpoints.
-- ``training_curves``: per-epoch train/valid statistics from fairseq's JSON logs.
+- ``training_curves``: train/valid statistics against updates or epochs from fairseq's JSON logs.
 - ``plotting``: the PNG figures written by every analysis.
 - ``cli_support``: argparse options and error handling shared by ``mlmha_fairseq.cli``.
 """

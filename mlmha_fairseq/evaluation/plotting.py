@@ -125,19 +125,19 @@ def plot_probing(tasks: Sequence[str], accuracies: Dict[str, Sequence[float]], p
     save_figure(figure, path)
 
 
-def plot_epoch_curves(runs: Dict[str, Dict[str, Sequence[Tuple[int, float]]]], stat: str,
-                      path: str) -> None:
-    """One panel per split (train, valid): ``stat`` against the epoch, one line per run."""
+def plot_training_curves(runs: Dict[str, Dict[str, Sequence[Tuple[float, float]]]], stat: str,
+                         x_label: str, path: str) -> None:
+    """``stat`` against ``x_label`` (updates or epochs), one line per run and split: training
+    dashed, validation solid (as the MLRF paper's Figure 4)."""
     plt = pyplot()
-    splits = list(next(iter(runs.values())))
-    figure, axes = plt.subplots(1, len(splits), figsize=LINE_FIGSIZE, squeeze=False)
-    for axis, split in zip(axes[0], splits):
-        for name, curves in runs.items():
-            if curves[split]:
-                epochs, values = zip(*curves[split])
-                axis.plot(epochs, values, marker=".", label=name)
-        axis.set_xlabel("epoch")
-        axis.set_ylabel(stat)
-        axis.set_title(split, fontsize="medium")
-        axis.legend(fontsize="small")
+    figure, axis = plt.subplots(figsize=LINE_FIGSIZE)
+    for index, (name, curves) in enumerate(runs.items()):
+        color = f"C{index}"
+        for split, style in (("train", "--"), ("valid", "-")):
+            if curves.get(split):
+                xs, values = zip(*curves[split])
+                axis.plot(xs, values, style, color=color, label=f"{name} ({split})")
+    axis.set_xlabel(x_label)
+    axis.set_ylabel(stat)
+    axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save_figure(figure, path)
