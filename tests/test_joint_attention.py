@@ -171,17 +171,21 @@ def test_aggregation_parameter_count_matches_thesis_formula(aggregation, extra, 
 
 def test_paper_size_mlmha_adds_the_papers_parameters():
     """WMT'14 En-De preset (d=512, 6+6, n=6, M-10): 6 x 20 d^2 = 31,457,280 new weights
-    (spec: "about 23.7M ... a further 7.8M"), minus fairseq's 6 x 4d cross-attention biases."""
+    (spec: "about 23.7M ... a further 7.8M"), minus fairseq's 6 x 4d cross-attention biases,
+    plus the pre-norm LayerNorms of the n-1 collected layers below the top (5 x 2d)."""
     words = [f"w{i}" for i in range(1000)]
     dictionary = toy_dictionary(words)
     paper_size = ["--encoder-layers", "6", "--decoder-layers", "6", "--encoder-embed-dim", "512",
                   "--decoder-embed-dim", "512", "--encoder-ffn-embed-dim", "2048",
                   "--decoder-ffn-embed-dim", "2048", "--encoder-attention-heads", "8",
                   "--decoder-attention-heads", "8", "--share-all-embeddings"]
-    baseline = num_params(build_model("transformer_wmt_en_de", *paper_size, dictionary=dictionary))
+    baseline = num_params(build_model("transformer_wmt_en_de", *paper_size, *PRE_NORM, dictionary=dictionary))
     model = build_model("mlmha_transformer_wmt_en_de", *paper_size, dictionary=dictionary)
     assert model.decoder.layers[0].encoder_attn.num_taps == 6
-    assert num_params(model) - baseline == 31_457_280 - 6 * 4 * 512
+    assert num_params(model) - baseline == 31_457_280 - 6 * 4 * 512 + 5 * 2 * 512
+    post_norm = build_model("mlmha_transformer_wmt_en_de_post_norm", *paper_size, dictionary=dictionary)
+    post_norm_baseline = num_params(build_model("transformer_wmt_en_de", *paper_size, dictionary=dictionary))
+    assert num_params(post_norm) - post_norm_baseline == 31_457_280 - 6 * 4 * 512
 
 
 @pytest.mark.parametrize("bias", [False, True])
