@@ -142,15 +142,15 @@ def train_mlp(features: Dict[str, torch.Tensor], targets: Dict[str, torch.Tensor
     returns the weights of the best one.
     """
     generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    inputs = features["tr"].shape[1]
-    hidden_layer = torch.nn.Linear(inputs, hidden)
-    model = torch.nn.Sequential(hidden_layer, torch.nn.Sigmoid(), torch.nn.Linear(hidden, classes))
-    output_params = list(model[2].parameters())
+    with torch.random.fork_rng():  # seeded initialisation without touching the global RNG
+        torch.manual_seed(seed)
+        hidden_layer = torch.nn.Linear(features["tr"].shape[1], hidden)
+        output_layer = torch.nn.Linear(hidden, classes)
+    model = torch.nn.Sequential(hidden_layer, torch.nn.Sigmoid(), output_layer)
     optimizer = torch.optim.RMSprop([{"params": hidden_layer.parameters(), "weight_decay": MLP_L2},
-                                     {"params": output_params, "weight_decay": 0.0}],
+                                     {"params": output_layer.parameters(), "weight_decay": 0.0}],
                                     lr=schedule.learning_rate)
-    best = MLPRun(model, -1.0, 0, 0)
+    run = MLPRun(model, -1.0, 0, 0)
     best_state = None
     train_x, train_y = features["tr"], targets["tr"]
     for epoch in range(1, max_epochs + 1):
@@ -160,14 +160,14 @@ def train_mlp(features: Dict[str, torch.Tensor], targets: Dict[str, torch.Tensor
             torch.nn.functional.cross_entropy(model(train_x[batch]), train_y[batch]).backward()
             optimizer.step()
         dev = _accuracy(model, features["va"], targets["va"])
-        best.epochs_run = epoch
-        if dev > best.dev_accuracy:
-            best.dev_accuracy, best.best_epoch = dev, epoch
+        run.epochs_run = epoch
+        if dev > run.dev_accuracy:
+            run.dev_accuracy, run.best_epoch = dev, epoch
             best_state = {name: value.clone() for name, value in model.state_dict().items()}
-        elif epoch - best.best_epoch >= patience:
+        elif epoch - run.best_epoch >= patience:
             break
     model.load_state_dict(best_state)
-    return best
+    return run
 
 
 @dataclass
