@@ -248,7 +248,8 @@ def build_transparent_memories(cfg, num_layers):
 @register_model_architecture("slot_transformer", "mlmha_transformer_iwslt")
 def mlmha_transformer_iwslt(args):
     """MLMHA, IWSLT Es-En / En-Vi (spec A.5): n = L = 4, M-00; pre-norm with a LayerNorm
-    per collected layer, as the authors' code (thesis §2.6(1) reproduction reading)."""
+    per collected layer, as the authors' released code, which most likely produced the
+    published scores."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
     args.mlmha_variant = getattr(args, "mlmha_variant", "M-00")
     thesis_pre_norm(args)

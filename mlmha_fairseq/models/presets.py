@@ -25,11 +25,11 @@ def thesis_base(args):
 
 
 def thesis_pre_norm(args):
-    """Pre-norm layers with final LayerNorms, as the authors' code that ran the thesis'
-    chapter 3 and 4 experiments (thesis §1.2 code reading: ``x + Dropout(Sublayer(LN(x)))``);
-    the Source Feature Collector and the auxiliary decoders then give every collected
-    encoder layer its own LayerNorm. The thesis' equations are post-norm: the ``*_post_norm``
-    presets."""
+    """Pre-norm layers with final LayerNorms, as the authors' released code that ran the
+    thesis' chapter 3 and 4 experiments (every sublayer ``x + Dropout(Sublayer(LN(x)))``); the
+    Source Feature Collector and the auxiliary decoders then give every collected encoder
+    layer its own LayerNorm, as that code does. The thesis' equations are post-norm: the
+    ``*_post_norm`` presets."""
     args.encoder_normalize_before = getattr(args, "encoder_normalize_before", True)
     args.decoder_normalize_before = getattr(args, "decoder_normalize_before", True)
 
