@@ -13,7 +13,7 @@ setup(
     description="fairseq plugin: MLMHA, layer aggregation, MLRF, MMA, multi-source "
     "and multi-level supervision for Transformer NMT",
     packages=find_packages(include=["mlmha_fairseq", "mlmha_fairseq.*"]),
-    python_requires=">=3.8",
+    python_requires=">=3.11",  # the version tested (with torch 2.13)
     install_requires=["sacrebleu>=2.0", "sacremoses", "subword-nmt", "numpy"],
     extras_require={"analysis": ["compare-mt", "six", "matplotlib", "scikit-learn"]},
 )

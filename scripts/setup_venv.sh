@@ -18,6 +18,15 @@ FAIRSEQ_SPEC=${FAIRSEQ_SPEC:-fairseq-fixed==0.12.3.1}
 
 log() { printf '[setup] %s\n' "$*"; }
 
+# Python 3.11 is the version tested (setup.py's python_requires).
+INTERPRETER=$PYTHON
+[ -x "$VENV/bin/python" ] && INTERPRETER="$VENV/bin/python"
+if ! "$INTERPRETER" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    printf '[setup] error: %s is not Python 3.11 or newer; use PYTHON=python3.11 (and remove %s if it exists)\n' \
+        "$INTERPRETER" "$VENV" >&2
+    exit 1
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
         log "creating $VENV with access to the torch already installed for $PYTHON"

@@ -7,6 +7,17 @@ torch.set_num_threads(1)
 
 from fairseq_helpers import preprocess, write_reversal_corpus
 
+# Fixtures that binarize a corpus for fairseq's command-line tools.
+CLI_FIXTURES = {"data_bin", "n_way_bin"}
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that run fairseq's command-line tools on a binarized corpus get the ``cli``
+    marker, so ``pytest -m "not cli"`` skips them (test tiers: docs/testing.md)."""
+    for item in items:
+        if CLI_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cli)
+
 
 @pytest.fixture(scope="session")
 def data_bin(tmp_path_factory):

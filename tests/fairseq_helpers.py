@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import sacrebleu
 import torch
 from fairseq import options, tasks
@@ -16,6 +17,9 @@ import mlmha_fairseq
 
 USER_DIR = os.path.dirname(mlmha_fairseq.__file__)
 VOCAB = [f"w{i}" for i in range(24)]
+
+PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
+NORMS = pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
 
 # A model small enough to train a few updates on a CPU in about a second.
 TINY_MODEL_ARGS = [
@@ -37,12 +41,13 @@ def write_reversal_corpus(directory: Path, sizes=(("train", 300), ("valid", 16),
                 tgt.write(" ".join(reversed(words)) + "\n")
 
 
-def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None):
-    """Run ``fairseq-<tool>`` (as ``python -m fairseq_cli.<tool>``) and return the result.
+def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, module=None):
+    """Run ``fairseq-<tool>`` (as ``python -m fairseq_cli.<tool>``, or ``module`` that stands
+    in for it) and return the result.
 
     One intra-op thread: tiny models gain nothing from more, and test processes share cores."""
     result = subprocess.run(
-        [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)],
+        [sys.executable, "-m", module or f"fairseq_cli.{tool}", *map(str, args)],
         capture_output=True, text=True, cwd=cwd, input=input,
         env={"OMP_NUM_THREADS": "1", **(env or os.environ)},
     )
@@ -138,13 +143,14 @@ def full_logits(model, src, lengths, prev):
     return model.decoder(prev, encoder_out=encoder_out)[0]
 
 
-def assert_incremental_matches_full(model, dictionary, new_order=(2, 0, 0, 3, 1), reorder_step=2, atol=1e-5):
+def assert_incremental_matches_full(model, dictionary, new_order=(2, 0, 0, 3, 1), reorder_step=2, atol=1e-5, rtol=1e-5):
     """Step-by-step decoding with fairseq's incremental state equals the teacher-forced
     forward pass, also after a beam-search-like reordering of the batch (rows repeated,
     dropped and permuted) in the middle of decoding, as SequenceGenerator does."""
     model.eval()
-    src, lengths, prev = random_batch(dictionary, batch_size=4)
-    new_order = torch.tensor(new_order)
+    device = next(model.parameters()).device
+    src, lengths, prev = (t.to(device) for t in random_batch(dictionary, batch_size=4))
+    new_order = torch.tensor(new_order, device=device)
     with torch.no_grad():
         before = full_logits(model, src, lengths, prev)
         after = full_logits(model, src[new_order], lengths[new_order], prev[new_order])
@@ -157,4 +163,4 @@ def assert_incremental_matches_full(model, dictionary, new_order=(2, 0, 0, 3, 1)
                 rows = prev[new_order]
             out = model.decoder(rows[:, : step + 1], encoder_out=encoder_out, incremental_state=state)[0]
             expected = (after if step >= reorder_step else before)[:, step : step + 1]
-            torch.testing.assert_close(out, expected, atol=atol, rtol=1e-5, msg=f"step {step}")
+            torch.testing.assert_close(out, expected, atol=atol, rtol=rtol, msg=f"step {step}")

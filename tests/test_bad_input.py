@@ -1,12 +1,25 @@
 """Checkpoint safety on torch >= 2.6 and bad input: a clear error, a non-zero exit, nothing lost."""
 import os
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+from fairseq.data import indexed_dataset
 
 from fairseq_helpers import USER_DIR, run_fairseq, train_args
+from mlmha_fairseq.data.multi_source_dataset import DataError
+from test_multi_source import (
+    CHANNELS,
+    POSITIONS,
+    SPLITS,
+    binarize,
+    setup_task,
+    task_options,
+    write_n_way_corpus,
+)
 
 
 class _RunsCommandWhenUnpickled:
@@ -71,3 +84,78 @@ def test_missing_data_directory(tmp_path):
     result = run_fairseq("train", *train_args(missing, tmp_path, "slot_transformer"), check=False)
     assert result.returncode != 0
     assert f"No such file or directory: '{missing}'" in result.stderr
+
+
+# --- multi-source data: one line naming the file, exit status 1 ------------------------
+
+def one_line_error(result):
+    """The last stderr line of a fairseq tool stopped by the package's UsageError."""
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert ": error: " in last
+    return last
+
+
+@pytest.fixture(scope="module")
+def n_way(tmp_path_factory):
+    root = tmp_path_factory.mktemp("n_way")
+    binarize(write_n_way_corpus(root), root / "bin")
+    for split, _ in SPLITS:
+        shutil.copy(root / f"{split}.img.npy", root / "bin" / f"{split}.img.npy")
+    return root / "bin"
+
+
+def copied(data, tmp_path):
+    shutil.copytree(data, tmp_path / "bin")
+    return tmp_path / "bin"
+
+
+def test_training_on_misaligned_n_way_files_ends_with_one_line(n_way, tmp_path):
+    data = copied(n_way, tmp_path)
+    for suffix in ("bin", "idx"):  # train's s2 side (200 lines) as the valid split's (16)
+        shutil.copy(data / f"train.s2-tgt.s2.{suffix}", data / f"valid.s2-tgt.s2.{suffix}")
+    result = run_fairseq("train", *train_args(data, tmp_path / "ckpt", "multi_source_transformer",
+                                              *task_options("s1,s2")), check=False)
+    line = one_line_error(result)
+    assert f"{data}/valid.s2-tgt.s2.bin has 200 sentences" in line
+
+
+def test_training_with_image_features_of_the_wrong_row_count_ends_with_one_line(n_way, tmp_path):
+    data = copied(n_way, tmp_path)
+    np.save(data / "valid.img.npy", np.zeros((15, POSITIONS, CHANNELS), dtype=np.float32))
+    result = run_fairseq("train", *train_args(data, tmp_path / "ckpt", "multi_source_transformer",
+                                              *task_options("s1,img", "--image-sources", "img")), check=False)
+    assert f"{data}/valid.img.npy has 15 rows" in one_line_error(result)
+
+
+def test_an_empty_image_feature_file(n_way, tmp_path):
+    data = copied(n_way, tmp_path)
+    (data / "test.img.npy").write_bytes(b"")
+    with pytest.raises(DataError, match=rf"cannot read image features {data}/test\.img\.npy"):
+        setup_task(data, "s1,img", "--image-sources", "img")
+
+
+def test_pairs_binarized_with_different_targets(n_way, tmp_path):
+    """Only the first pair's target is read; a second pair binarized from a reordered
+    target (same line count) would pair its source with the wrong sentences."""
+    data = copied(n_way, tmp_path)
+    prefix = str(data / "valid.s2-tgt.tgt")
+    target = indexed_dataset.make_dataset(prefix, impl="mmap")
+    sentences = [target[i] for i in reversed(range(len(target)))]
+    builder = indexed_dataset.make_builder(prefix + ".bin", impl="mmap", vocab_size=len(target))
+    for sentence in sentences:
+        builder.add_item(sentence)
+    builder.finalize(prefix + ".idx")
+    task = setup_task(data)
+    with pytest.raises(DataError, match=rf"{data}/valid\.s2-tgt\.tgt\.bin differs from "
+                                        rf"{data}/valid\.s1-tgt\.tgt\.bin at line 1:"):
+        task.load_dataset("valid")
+    task.load_dataset("test")  # the untouched split still loads
+
+
+def test_generation_options_that_conflict_end_with_one_line(trained, data_bin):
+    result = run_fairseq("generate", data_bin, "--user-dir", USER_DIR, "--path", trained, "--cpu",
+                         "--task", "translation_gnmt", "--gnmt-lenpen", "0.6", "--print-alignment",
+                         check=False)
+    assert "--gnmt-lenpen cannot be combined with --print-alignment" in one_line_error(result)

@@ -1,6 +1,8 @@
 """The benchmark module runs end to end and measures what it says (tiny settings)."""
 import json
 
+import torch
+
 from mlmha_fairseq.cli import benchmark
 
 TINY = ["--sentences", "2", "--length", "6", "--gen-sentences", "1", "--steps", "1",
@@ -15,5 +17,21 @@ def test_benchmark_writes_ratios_against_fairseq_transformer(tmp_path):
     assert results["slot_transformer"]["params"] == results["transformer"]["params"]
     assert results["mlmha M-01"]["flop_ratio"] > 1.0
     assert results["mlmha M-01"]["params"] > results["transformer"]["params"]
+    assert results["transformer"]["sdpa_backend"] == ""  # no MLMHA
+    assert results["mlmha M-01"]["sdpa_backend"] in {"flash (cpu)", "math"}
     for name in ("benchmark.csv", "benchmark.md", "benchmark.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_half_precision_training_step_runs_fairseqs_fp16_optimizer():
+    """--dtype bf16: the model in bfloat16, updated through fairseq's FP16Optimizer (fp32
+    master weights), as fairseq-train --bf16 trains."""
+    opts = benchmark.parse_args(TINY + ["--dtype", "bf16", "--device", "cpu"])
+    subject = benchmark.Subject("mlmha M-00", opts, torch.device("cpu"))
+    before = [p.detach().clone() for p in subject.model.parameters()]
+    subject.train_step()
+    assert all(p.dtype == torch.bfloat16 for p in subject.model.parameters())
+    assert type(subject.optimizer).__name__ == "FP16Optimizer"
+    moved = [not torch.equal(b, p) for b, p in zip(before, subject.model.parameters())]
+    assert sum(moved) > len(moved) // 2
+    assert benchmark.sdpa_backend(subject, opts) in {"flash (cpu)", "math"}

@@ -1,10 +1,13 @@
 """Data-parallel training on CPU: two ranks (gloo, one process each, loopback) end with
-identical parameters, as fairseq's DDP must guarantee, although each saw other batches."""
+identical parameters, as fairseq's DDP must guarantee, although each saw other batches;
+started one by one or by torchrun, and equal to one process that accumulates the same
+batches."""
 import os
 import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fairseq_helpers import train_args
@@ -50,3 +53,65 @@ def assert_ranks_identical_after_training(data_bin, tmp_path, arch, *extra):
 
 def test_two_cpu_ranks_hold_identical_parameters(data_bin, tmp_path):
     assert_ranks_identical_after_training(data_bin, tmp_path, "slot_transformer")
+
+
+# the slot model, and a mechanism whose auxiliary decoder feeds only the joint loss
+TORCHRUN_SYSTEMS = {
+    "slot_transformer": ["slot_transformer"],
+    "ms_transformer": ["ms_transformer", "--aux-decoder-layers", "1",
+                       "--criterion", "multi_decoder_label_smoothed_cross_entropy"],
+}
+# Without dropout, two ranks of one batch each and one process accumulating both batches
+# (--update-freq 2) compute the same update: fairseq shards the same shuffled batches over
+# the ranks in turn and sums the gradients over the same sample size.
+DETERMINISTIC = ["--dropout", "0", "--ddp-backend", "legacy_ddp"]
+
+
+def run_dumping(command, dump_dir):
+    dump_dir.mkdir(exist_ok=True)
+    result = subprocess.run(command, env={**os.environ, "DDP_DUMP_DIR": str(dump_dir), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("system", TORCHRUN_SYSTEMS)
+def test_torchrun_two_cpu_ranks_equal_one_process_over_the_same_batches(system, data_bin, tmp_path):
+    """``torchrun --nproc_per_node 2 -m mlmha_fairseq.cli.train ... --cpu --distributed-backend
+    gloo`` (tests/ddp_worker.py standing in for it, to read every rank's parameters)."""
+    arch, *extra = TORCHRUN_SYSTEMS[system]
+    args = [*map(str, train_args(data_bin, tmp_path / "ckpt", arch, *extra, *DETERMINISTIC)),
+            "--distributed-backend", "gloo"]
+    log = run_dumping([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       WORKER, *args], tmp_path / "ranks")
+    assert "distributed init (rank 1): env://" in log
+    rank0, rank1 = (torch.load(tmp_path / "ranks" / f"rank{r}.pt") for r in range(2))
+    single_args = [*map(str, train_args(data_bin, tmp_path / "ckpt1", arch, *extra, *DETERMINISTIC)),
+                   "--update-freq", "2"]
+    run_dumping([sys.executable, WORKER, *single_args], tmp_path / "single")
+    single = torch.load(tmp_path / "single" / "rank0.pt")
+
+    assert rank0["num_updates"] == rank1["num_updates"] == single["num_updates"] == 3
+    assert rank0["params"].keys() == rank1["params"].keys() == single["params"].keys()
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name
+        assert not torch.equal(value, rank0["initial"][name]), f"{name} did not move"
+        # summation order of the all-reduce aside, the same arithmetic
+        torch.testing.assert_close(value, single["params"][name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["nccl"])
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.cuda
+def test_spawned_gpu_ranks_hold_identical_parameters(backend, data_bin, tmp_path):
+    """fairseq's own launch: one spawned process per GPU (``--distributed-world-size 2``
+    without ``--distributed-no-spawn``; fairseq refuses this path on CPUs)."""
+    args = [arg for arg in map(str, train_args(data_bin, tmp_path / "ckpt", "ms_transformer", "--aux-decoder-layers", "1",
+                                               "--criterion", "multi_decoder_label_smoothed_cross_entropy"))
+            if arg != "--cpu"]
+    run_dumping([sys.executable, WORKER, *args, "--distributed-world-size", "2", "--distributed-backend", backend],
+                tmp_path / "ranks")
+    rank0, rank1 = (torch.load(tmp_path / "ranks" / f"rank{r}.pt") for r in range(2))
+    assert rank0["num_updates"] == rank1["num_updates"] == 3
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fairseq_helpers import (
+    PRE_NORM,
     assert_incremental_matches_full,
     assert_round_trip,
     build_model,
@@ -19,7 +20,6 @@ from mlmha_fairseq.evaluation.fi_diversity import fi_diversity, js_divergence, r
 from mlmha_fairseq.models.layer_selection import parse_layers
 from mlmha_fairseq.modules.dual_contextual import DualContextual, LocalContextualUnit
 
-PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
 D, ENCODER_LAYERS, DECODER_LAYERS = 16, 3, 2  # tests/fairseq_helpers.TINY_MODEL_ARGS
 FULL_DC = ["--dc-encoder-layers", "all", "--dc-decoder-layers", "all"]
 
@@ -33,7 +33,7 @@ def dc_layers(stack):
 
 
 def dc_closed_form(d, f):
-    """Spec §4.2: conv f*2d^2 + 2d, local LN 2d, two bias-free FIs 6d^2, W_z 2d^2 and b_z d."""
+    """Thesis §5.2: conv f*2d^2 + 2d, local LN 2d, two bias-free FIs 6d^2, W_z 2d^2 and b_z d."""
     return 2 * f * d * d + 2 * d + 2 * d + 6 * d * d + 2 * d * d + d
 
 

@@ -24,17 +24,33 @@ def corpus():
     return cased_refs, hyps
 
 
-def test_sacrebleu_protocols_equal_sacrebleu(corpus):
-    refs, hyps = corpus
-    expected = {
-        "sacrebleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
-        "sacrebleu-lc": sacrebleu.corpus_bleu(hyps, [refs], lowercase=True).score,
-        "multi-bleu": sacrebleu.corpus_bleu(hyps, [refs], tokenize="none", smooth_method="none",
-                                            force=True).score,
-        "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
-    }
-    for name, value in expected.items():
-        assert corpus_score(hyps, [refs], PROTOCOLS[name]).score == pytest.approx(value)
+# sacreBLEU's documented example (its README, "Using SacreBLEU from Python"): two reference
+# streams; the README prints BLEU = 48.53 and chrF2 = 59.73 for this system.
+README_REFS = [
+    ["The dog bit the man.", "It was not unexpected.", "The man bit him first."],
+    ["The dog had bit the man.", "No one was surprised.", "The man had bitten the dog."],
+]
+README_SYSTEM = ["The dog bit the man.", "It wasn't surprising.", "The man had just bitten him."]
+
+
+def test_sacrebleu_protocols_reproduce_sacrebleus_documented_example():
+    assert corpus_score(README_SYSTEM, README_REFS, PROTOCOLS["sacrebleu"]).score == pytest.approx(48.53, abs=0.005)
+    assert corpus_score(README_SYSTEM, README_REFS, PROTOCOLS["chrf"]).score == pytest.approx(59.73, abs=0.005)
+
+
+def test_multi_bleu_protocols_equal_multi_bleu_perl_counted_by_hand():
+    """multi-bleu.perl: whitespace tokens, n-gram matches clipped per sentence and summed
+    over the corpus (n = 1..4), no smoothing, brevity penalty exp(1 - r/c) for a
+    hypothesis length c below the reference length r; -lc lowercases both sides first."""
+    hyps = ["the cat sat on the mat", "A dog barked"]
+    refs = ["the cat sat on a mat", "a dog barked loudly"]
+    # brevity penalty exp(1 - 10/9): c = 6 + 3 tokens, r = 6 + 4. Sentence 1 matches 5/6
+    # unigrams, 3/5 bigrams, 2/4 trigrams, 1/3 4-grams; sentence 2 ("A" != "a" when cased)
+    # 2/3, 1/2, 0/1, 0/0, lowercased 3/3, 2/2, 1/1, 0/0. So
+    # cased:      100 exp(-1/9) (7/9 * 4/7 * 2/5 * 1/3)^(1/4) = 44.150...
+    # lowercased: 100 exp(-1/9) (8/9 * 5/7 * 3/5 * 1/3)^(1/4) = 53.417...
+    assert corpus_score(hyps, [refs], PROTOCOLS["multi-bleu"]).score == pytest.approx(44.1503, abs=1e-4)
+    assert corpus_score(hyps, [refs], PROTOCOLS["multi-bleu-lc"]).score == pytest.approx(53.4174, abs=1e-4)
 
 
 def test_tokenized_bleu_equals_compare_mt(corpus):

@@ -1,9 +1,10 @@
-"""MLMHA and layer aggregation inside the slot Transformer (issue: seed 000, thesis ch. 3)."""
+"""MLMHA and layer aggregation inside the slot Transformer (Ampomah et al. 2020; thesis ch. 3)."""
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_helpers import (
+    PRE_NORM,
     assert_incremental_matches_full,
     assert_round_trip,
     build_model,
@@ -15,7 +16,6 @@ from fairseq_helpers import (
 
 VARIANTS = ("M-00", "M-01", "M-10", "M-11")
 AGGREGATIONS = ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")
-PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
 D = 16  # tests/fairseq_helpers.TINY_MODEL_ARGS
 ENCODER_LAYERS, DECODER_LAYERS, FFN = 3, 2, 32
 
@@ -132,7 +132,7 @@ def greedy_decode(model, dictionary, src, lengths, max_len):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_parameter_count_matches_closed_form(variant, bias):
-    """Spec A.3.7: per decoder layer 3(n-1)d^2 more, plus (n-1)d^2 for concatenation,
+    """Ampomah et al. 2020, §3.3: per decoder layer 3(n-1)d^2 more, plus (n-1)d^2 for concatenation,
     against fairseq's cross-attention (which has 4d biases); with biases 3(n-1)(d^2+d)."""
     n = ENCODER_LAYERS
     concat = variant in ("M-00", "M-10")
@@ -163,15 +163,17 @@ def test_pre_norm_adds_one_layer_norm_per_collected_layer_below_the_top():
 )
 @pytest.mark.parametrize("top_n", [2, 3])
 def test_aggregation_parameter_count_matches_thesis_formula(aggregation, extra, top_n):
-    """Thesis §2.5 closed forms; Transparent Attention adds (L+1) x M scalars."""
+    """Thesis §2.5 closed forms; Transparent Attention adds (L+1) x M scalars (it mixes all
+    encoder states, so --mlmha-top-n does not apply to it)."""
     baseline = num_params(build_model("transformer"))
-    model = build_model("slot_transformer", "--layer-aggregation", aggregation, "--mlmha-top-n", top_n)
+    top_n_option = [] if aggregation == "transparent" else ["--mlmha-top-n", top_n]
+    model = build_model("slot_transformer", "--layer-aggregation", aggregation, *top_n_option)
     assert num_params(model) - baseline == extra(top_n)
 
 
 def test_paper_size_mlmha_adds_the_papers_parameters():
     """WMT'14 En-De preset (d=512, 6+6, n=6, M-10): 6 x 20 d^2 = 31,457,280 new weights
-    (spec: "about 23.7M ... a further 7.8M"), minus fairseq's 6 x 4d cross-attention biases,
+    (Ampomah et al. 2020: "about 23.7M ... a further 7.8M"), minus fairseq's 6 x 4d cross-attention biases,
     plus the pre-norm LayerNorms of the n-1 collected layers below the top (5 x 2d)."""
     words = [f"w{i}" for i in range(1000)]
     dictionary = toy_dictionary(words)

@@ -1,4 +1,4 @@
-"""Mixed Multi-Head Self-Attention (MMA) in the slot Transformer (issue: seed 002, spec A)."""
+"""Mixed Multi-Head Self-Attention (MMA) in the slot Transformer (Cui et al. 2019)."""
 import json
 
 import numpy as np
@@ -6,14 +6,14 @@ import pytest
 import torch
 from fairseq.modules import MultiheadAttention
 
-from fairseq_helpers import assert_round_trip, build_model, random_batch, toy_dictionary
+from fairseq_helpers import NORMS, assert_round_trip, build_model, random_batch, toy_dictionary
 from mlmha_fairseq.models.mma import default_head_types
 from mlmha_fairseq.modules.mixed_attention import MixedMultiheadAttention, allowed_keys, head_masks
 
 D, HEADS = 16, 4
 CPU = torch.device("cpu")
 
-# Spec A.2.1, T = 5, w = 1: 1 = allowed, rows are queries.
+# Cui et al. 2019, Eqs. 8-11, T = 5, w = 1: 1 = allowed, rows are queries.
 WORKED_EXAMPLE = {
     "L": ["11000", "11100", "01110", "00111", "00011"],
     "F": ["11111", "01111", "00111", "00011", "00001"],
@@ -90,8 +90,7 @@ def test_all_global_heads_equal_fairseq_self_attention(left_pad, need_weights):
         torch.testing.assert_close(got_weights, expected_weights, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("norm", [[], ["--encoder-normalize-before", "--decoder-normalize-before"]],
-                         ids=["post-norm", "pre-norm"])
+@NORMS
 def test_all_global_model_equals_fairseq_transformer_with_its_weights(norm):
     dictionary = toy_dictionary()
     reference = build_model("transformer", *norm, dictionary=dictionary).eval()
@@ -119,7 +118,7 @@ def test_a_window_covering_the_sentence_equals_global():
 
 
 def test_forward_heads_on_reversed_input_equal_reversed_backward_heads():
-    """Spec P11: F(flip(x)) = flip(B(x))."""
+    """F(flip(x)) = flip(B(x))."""
     _, forward = attention_pair("FFFF")
     backward = MixedMultiheadAttention(D, HEADS, "BBBB", 1).eval()
     backward.load_state_dict(forward.state_dict())
@@ -129,7 +128,7 @@ def test_forward_heads_on_reversed_input_equal_reversed_backward_heads():
 
 def test_mixed_heads_equal_fairseq_energies_plus_the_masks():
     """Eq. 7 with fairseq's own energies (``before_softmax``, B*H x T x S, flattened b*H + h)
-    and the masks expanded as spec P2 prescribes: head h is channel slice h."""
+    and the masks expanded as the paper's head order means: head h is channel slice h."""
     reference, module = attention_pair("GLFB")
     reference.skip_embed_dim_check = True  # fairseq's explicit path, which has before_softmax
     x, _ = padded_input(left_pad=True)
@@ -156,7 +155,7 @@ def test_head_weights_follow_the_masks():
 @pytest.mark.parametrize("left_pad", [True, False], ids=["left-pad", "right-pad"])
 def test_no_nan_in_outputs_or_gradients_with_padding(left_pad, dtype):
     """Pad query rows of B/L heads (left padding) and F/L heads (right padding) see only pad
-    keys (spec P4); two stacked layers carry a NaN at pads into real tokens."""
+    keys; two stacked layers carry a NaN at pads into real tokens."""
     torch.manual_seed(0)
     layers = [MixedMultiheadAttention(D, HEADS, "GLFB", 1, dropout=0.1).to(dtype) for _ in range(2)]
     x, pad = padded_input(left_pad, dtype=dtype)
@@ -194,7 +193,7 @@ def encoder_output(model, src):
 
 @pytest.mark.parametrize("heads, equivariant", [(("G", "G"), True), (("F", "B"), False), (("G", "L"), False)])
 def test_without_positions_only_global_heads_are_permutation_equivariant(heads, equivariant):
-    """Table 3's reason (spec A.7 item 1): without positional embeddings, permuting the source
+    """Table 3's reason (Cui et al. 2019, §5): without positional embeddings, permuting the source
     permutes a global-only encoder's output; the directional and local masks break that."""
     dictionary = toy_dictionary()
     model = build_model("slot_transformer", *mixed(*heads), "--encoder-no-token-positional-embeddings",

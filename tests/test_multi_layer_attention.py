@@ -263,7 +263,7 @@ def test_incremental_state_is_per_module():
 
 
 def closed_form_params(num_taps, dim, concat, bias):
-    """Spec A.3.7: 3n d^2 + d_c d (+ 3n d + d with biases)."""
+    """Ampomah et al. 2020, §3.3: 3n d^2 + d_c d (+ 3n d + d with biases)."""
     context_dim = num_taps * dim if concat else dim
     count = 3 * num_taps * dim * dim + context_dim * dim
     return count + (3 * num_taps * dim + dim if bias else 0)
@@ -291,7 +291,7 @@ def extras_over_baseline(num_layers, dim, heads, num_taps, concat, bias):
 
 
 def test_parameter_count_wmt_en_de_example():
-    """Spec A.3.7 / thesis §2.5: n = 6, d = 512, 8 heads, 6 decoder layers."""
+    """Thesis §2.5: n = 6, d = 512, 8 heads, 6 decoder layers."""
     summed = extras_over_baseline(6, 512, 8, 6, concat=False, bias=False)
     concatenated = extras_over_baseline(6, 512, 8, 6, concat=True, bias=False)
     assert summed == 23_592_960

@@ -13,6 +13,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_helpers import (
+    NORMS,
     assert_incremental_matches_full,
     build_model,
     random_batch,
@@ -30,8 +31,6 @@ from mlmha_fairseq.criterions.multi_decoder_label_smoothed_cross_entropy import 
 from mlmha_fairseq.evaluation.aif_dependency import aif_dependency, kl_divergence
 from mlmha_fairseq.evaluation.model_loading import batches
 
-PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
-NORMS = pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
 D, FFN, DECODER_LAYERS = 16, 32, 2  # tests/fairseq_helpers.TINY_MODEL_ARGS
 EPSILON = 0.1
 CRITERION = ["--criterion", "multi_decoder_label_smoothed_cross_entropy", "--label-smoothing", str(EPSILON)]
@@ -120,7 +119,7 @@ def test_gamma_zero_equals_fairseq_label_smoothed_cross_entropy():
 
 @pytest.mark.parametrize("fusion", [[], ["--aux-fusion"]], ids=["MS-12", "MS-12+AIF"])
 def test_every_parameter_gets_a_gradient_from_the_joint_loss(fusion):
-    """The condition for DDP without find_unused_parameters (pitfall 16)."""
+    """The condition for DDP without find_unused_parameters (every parameter gets a gradient)."""
     dictionary = toy_dictionary()
     model = build_model("ms_transformer", *ms("1,2", *fusion), dictionary=dictionary)
     loss, _, _ = criterion(dictionary, 1.0)(model, toy_sample(dictionary))
@@ -196,7 +195,7 @@ def test_incremental_decoding_matches_full_forward(options, norm):
 
 @NORMS
 def test_auxiliary_memories_are_the_chosen_encoder_layers_also_at_generation(norm):
-    """fairseq's generator calls the encoder without return_all_hiddens (pitfall 1)."""
+    """fairseq's generator calls the encoder without return_all_hiddens."""
     dictionary = toy_dictionary()
     model = build_model("ms_transformer", *ms("1,2", "--aux-fusion"), *norm, dictionary=dictionary).eval()
     src, lengths, _ = random_batch(dictionary)
@@ -266,7 +265,7 @@ def test_each_auxiliary_decoder_adds_one_decoder_stack_and_aif_adds_l_d_squared(
 
 
 def test_thesis_small_model_parameter_counts():
-    """Spec §14: an auxiliary decoder of the small model adds 4,205,568 parameters with the
+    """Thesis §4.4: an auxiliary decoder of the small model adds 4,205,568 parameters with the
     thesis' bias-free attention (+ fairseq's 8d attention biases per layer here; in the
     preset's pre-norm also its final LayerNorm and its memory's LayerNorm, 2 x 2d), AIF adds
     4 x 256^2 = 262,144 per auxiliary decoder."""
@@ -427,3 +426,13 @@ def test_two_cpu_ranks_train_auxiliary_decoders_with_aif(data_bin, tmp_path):
     parameters, also without AIF) is tested above."""
     assert_ranks_identical_after_training(data_bin, tmp_path, "ms_transformer", *ms("1,2", "--aux-fusion"),
                                           *CRITERION)
+
+
+@NORMS
+def test_aif_uses_no_hooks_and_no_state_on_the_layers(norm):
+    """AIF is the staged layer's step after self-attention: the model registers no forward
+    hooks and its layers keep no per-call attributes."""
+    model = build_model("ms_transformer", "--aux-decoder-layers", "1,2", "--aux-fusion", *norm)
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, type(module).__name__
+    assert not any(hasattr(layer, "aux_features") for layer in model.decoder.layers)

@@ -1,5 +1,5 @@
 """Multi-source Transformer: serial, parallel, flat and hierarchical input combination
-(issue: seed 004, spec mma_multisource.md B and pitfalls M1-M16)."""
+(Libovický et al. 2018)."""
 import argparse
 import json
 import random
@@ -13,6 +13,7 @@ from fairseq.data import Dictionary
 from fairseq.models import ARCH_CONFIG_REGISTRY
 
 from fairseq_helpers import (
+    NORMS,
     TINY_MODEL_ARGS,
     USER_DIR,
     VOCAB,
@@ -30,8 +31,6 @@ from mlmha_fairseq.models.multi_source import combination_modules
 from mlmha_fairseq.modules.input_combination import STRATEGIES, build_input_combination
 from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
 
-PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
-NORMS = pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
 D, DECODER_LAYERS, CHANNELS, POSITIONS = 16, 2, 6, 3
 SPLITS = (("train", 200), ("valid", 16), ("test", 16))
 
@@ -113,7 +112,7 @@ def test_one_source_equals_fairseq_transformer_with_its_weights(strategy, norm):
 
 
 def test_hierarchical_second_level_is_certain_with_one_source():
-    """B.2: with n = 1 the softmax over one context is 1 (so hierarchical is not the
+    """Libovický et al. 2018, Eq. 8: with n = 1 the softmax over one context is 1 (so hierarchical is not the
     standard decoder, but a linear map of the context)."""
     dictionary = toy_dictionary()
     model, _ = build_multi_source(["src"], "--combination-strategy", "hierarchical", dictionary=dictionary)
@@ -127,10 +126,10 @@ def test_hierarchical_second_level_is_certain_with_one_source():
         torch.testing.assert_close(module.recorded["contexts"], torch.ones(4, prev.size(1), 1))
 
 
-# --- the sublayer equations of spec B.2, written out -----------------------------------
+# --- the sublayer equations of Libovický et al. 2018 (Eqs. 3-8), written out -----------------------------------
 
 def spec_equation(module, x, memories, masks):
-    """u of spec B.2 for ``module``'s strategy, computed from its own submodules, with the
+    """u of Libovický et al. 2018, §3, for ``module``'s strategy, computed from its own submodules, with the
     hierarchical second level position by position."""
     pre = module.normalize_before
     norm = lambda y, k=0: module.layer_norms[k](y)  # noqa: E731
@@ -161,7 +160,7 @@ def spec_equation(module, x, memories, masks):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
-def test_sublayer_equals_the_equations_of_the_spec(strategy, pre_norm):
+def test_sublayer_equals_the_equations_of_the_paper(strategy, pre_norm):
     torch.manual_seed(0)
     module = build_input_combination(strategy, D, 2, 3, D, dropout=0.1, attention_dropout=0.0,
                                      normalize_before=pre_norm, hier_heads=4 if strategy == "hierarchical" else None)
@@ -300,8 +299,8 @@ def test_presets_have_the_paper_sizes_and_settings(arch):
         assert getattr(args, name) == value, name
     assert args.encoder_attention_heads == args.decoder_attention_heads
     assert args.combination_strategy == "serial"
-    assert args.encoder_normalize_before and args.decoder_normalize_before  # RI (M7)
-    assert args.no_scale_embedding and args.share_all_embeddings  # M11b, B.3
+    assert args.encoder_normalize_before and args.decoder_normalize_before  # the reference implementation
+    assert args.no_scale_embedding and args.share_all_embeddings  # Libovický et al. 2018, §4
     model, _ = build_multi_source(["a", "b"], "--arch", arch)  # tiny sizes, preset settings
     assert model.decoder.layers[0].normalize_before and model.decoder.embed_scale == 1.0
 
@@ -502,7 +501,7 @@ def assert_attention_dump(data, checkpoint, out):
 @pytest.mark.parametrize("strategy, scale", [("parallel", 2.0), ("flat", 1.0)])
 def test_two_copies_of_one_source(strategy, scale):
     """Two identical sources with identical weights: parallel sums the two contexts
-    (Eq. 4, not their mean: pitfall M8), so it equals the standard decoder with a doubled
+    (Eq. 4, not their mean), so it equals the standard decoder with a doubled
     cross-attention output; flat's joint softmax over duplicated keys gives the standard
     decoder's distribution."""
     dictionary = toy_dictionary()
@@ -520,3 +519,28 @@ def test_two_copies_of_one_source(strategy, scale):
         expected = reference(src, lengths, prev)[0]
         got = forward(model, [src, src], [lengths, lengths], prev)[0]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# --- build from local values -----------------------------------------------------------
+
+def test_build_model_writes_nothing_into_args():
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "unused-data-dir", "--task", "multi_source_translation", "--user-dir", USER_DIR,
+        "--arch", "multi_source_transformer", *TINY_MODEL_ARGS, "--source-langs", "a,img",
+        "--target-lang", "tgt", "--image-sources", "img"])
+    before = dict(vars(args))
+    task = MultiSourceTranslationTask(args, toy_dictionary(), {"img": CHANNELS})
+    model = task.build_model(args)
+    assert vars(args) == before
+    assert model.encoder.encoders[1].projection.in_features == CHANNELS
+
+
+def test_each_text_encoder_owns_its_mlrf_table_and_the_decoder_shares_the_primary_one():
+    model, _ = build_multi_source(["a", "b", "c"], "--primary-source", "b", "--mlrf-encoder-fusion", "sa",
+                                  "--mlrf-decoder-fusion", "fnn")
+    tables = [encoder.memories["mlrf_fusion"].layer_embedding for encoder in model.encoder.encoders]
+    assert len({id(table) for table in tables}) == 3
+    assert model.decoder.output_fusion.layer_embedding is tables[1]
+    # the table is one parameter of the model: trained by both sides
+    shared = [p for p in model.parameters() if p is tables[1].weight]
+    assert len(shared) == 1

@@ -1,4 +1,4 @@
-"""Multi-layer Representation Fusion, MLRF (issue: seed 001; spec mlmha_mlrf.md part B)."""
+"""Multi-layer Representation Fusion, MLRF (Wang et al. 2018)."""
 import dataclasses
 import json
 import re
@@ -11,6 +11,7 @@ from fairseq import options, tasks
 from fairseq.data import Dictionary
 
 from fairseq_helpers import (
+    PRE_NORM,
     USER_DIR,
     assert_incremental_matches_full,
     assert_round_trip,
@@ -31,13 +32,17 @@ from mlmha_fairseq.modules.representation_fusion import (
 
 D = 16  # tests/fairseq_helpers.TINY_MODEL_ARGS
 ENCODER_LAYERS, DECODER_LAYERS = 3, 2
-PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
-SMALL_FUSION = ["--mlrf-attention-dim", "12", "--mlrf-ffn-dim", "20", "--mlrf-hops", "3"]
+SA_SIZES = ["--mlrf-attention-dim", "12", "--mlrf-hops", "3"]
+FFN_SIZES = ["--mlrf-ffn-dim", "20"]
 D_A, D_F, HOPS = 12, 20, 3
 
 
 def fusion(encoder="none", decoder="none", *extra):
-    return ["--mlrf-encoder-fusion", encoder, "--mlrf-decoder-fusion", decoder, *SMALL_FUSION, *extra]
+    """MLRF options with the small sizes above, those of the functions in use (an option of
+    a function no side uses is refused)."""
+    functions = {encoder, decoder}
+    sizes = (SA_SIZES if "sa" in functions else []) + (FFN_SIZES if functions & {"fnn", "sa"} else [])
+    return ["--mlrf-encoder-fusion", encoder, "--mlrf-decoder-fusion", decoder, *sizes, *extra]
 
 
 def num_params(model):
@@ -114,7 +119,7 @@ def test_fnn_concatenates_the_layers_bottom_to_top():
 
 
 def test_fnn_layer_embedding_is_a_first_layer_bias():
-    """Spec B.4b: before a linear layer, adding E is the bias W_a [E_0; ...; E_L]."""
+    """Wang et al. 2018, Eq. 4: before a linear layer, adding E is the bias W_a [E_0; ...; E_L]."""
     states, embedding = stacked_states(3), torch.randn(3, D)
     fnn = build_fusion("fnn", 3, D, FusionOptions(ffn_dim=D_F))
     with_embedding = fnn(states, embedding)
@@ -130,14 +135,14 @@ def test_unknown_fusion_function_is_refused():
 
 # ----------------------------------------------------------------------------- parameter counts
 
-# Spec B.8, paper Table 2 (IWSLT De-En): d=256, FFN 1024, 3+3 layers, separate vocabularies
+# Wang et al. 2018, Table 2 (IWSLT De-En): d=256, FFN 1024, 3+3 layers, separate vocabularies
 # 8,389 / 6,428, K = L + 1 = 4, d_f = 512, d_a = 1024. "computed" counts the paper's output
 # bias b_o (Eq. 2), which fairseq's output projection does not have.
 SRC_VOCAB, TGT_VOCAB = 8389, 6428
 OUTPUT_BIAS = TGT_VOCAB
 ENC, DEC = "--mlrf-encoder-fusion", "--mlrf-decoder-fusion"
 TABLE_B8 = {
-    # system: (options, computed by spec B.8, the paper's #Param. in millions)
+    # system: (options, computed from the equations, the paper's #Param. in millions)
     "Transformer": ([], 10_974_748, 10.97),
     "+RestartAdam-4Layers": (["--encoder-layers", "4", "--decoder-layers", "4"], 12_817_948, 12.82),
     "+RestartAdam-6Layers": (["--encoder-layers", "6", "--decoder-layers", "6"], 16_504_348, 16.50),
@@ -431,15 +436,15 @@ def test_restart_adam_second_phase_starts_with_fresh_moments(data_bin, tmp_path)
 # ----------------------------------------------------------------------------- Figure 5 data
 
 
-def hop_weight_checkpoint(tmp_path, *fusion_options):
+def hop_weight_checkpoint(tmp_path, decoder_function):
     data_dir = write_data_bin(tmp_path / "bin")
     cfg, _, model = build_task_and_model(str(data_dir), extra_args=[
-        "--arch", "slot_transformer", *fusion_options, *SMALL_FUSION])
+        "--arch", "slot_transformer", *fusion("none", decoder_function)])
     return data_dir, save_checkpoint(tmp_path / "model.pt", cfg, model)
 
 
 def test_hop_weight_analysis_writes_data_and_heat_maps(tmp_path):
-    data_dir, checkpoint = hop_weight_checkpoint(tmp_path, DEC, "sa")
+    data_dir, checkpoint = hop_weight_checkpoint(tmp_path, "sa")
     (tmp_path / "src.txt").write_text("w1 w2 w3\nw4 w5\nw6\n")
     (tmp_path / "tgt.txt").write_text("w3 w2 w1\nw5 w4 w9 w8\nw6\n")
     prefix = str(tmp_path / "out" / "hops")
@@ -460,7 +465,7 @@ def test_hop_weight_analysis_writes_data_and_heat_maps(tmp_path):
 
 
 def test_hop_weight_analysis_needs_an_sa_fusion(tmp_path, capsys):
-    data_dir, checkpoint = hop_weight_checkpoint(tmp_path, DEC, "fnn")
+    data_dir, checkpoint = hop_weight_checkpoint(tmp_path, "fnn")
     with pytest.raises(SystemExit) as exit_info:
         mlrf_hop_weights.main([str(checkpoint), "--data-bin", str(data_dir), "--split", "test"])
     assert exit_info.value.code == 2

@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from fairseq_helpers import assert_incremental_matches_full, build_model, random_batch, toy_dictionary
+from fairseq_helpers import PRE_NORM, assert_incremental_matches_full, build_model, random_batch, toy_dictionary
 from mlmha_fairseq.models import slots
 from mlmha_fairseq.models.slot_transformer import SlotTransformerModel
 
 NORMALIZATION = {
     "post-norm": [],
-    "pre-norm": ["--encoder-normalize-before", "--decoder-normalize-before"],
+    "pre-norm": PRE_NORM,
 }
 
 
@@ -91,3 +91,99 @@ def test_a_replaced_encoder_output_the_decoder_does_not_read_is_refused():
     with pytest.raises(ValueError, match="mlrf_fusion replaces the encoder output"):
         build_model("slot_transformer", "--mlrf-encoder-fusion", "fnn",
                     "--decoder-cross-attention", "multi-layer")
+
+
+# --- the staged decoder layer -------------------------------------------------------------
+
+def layer_pair(norm, layer_class=None, **settings):
+    """fairseq's decoder layer and the staged slot layer (or ``layer_class``) with the same
+    weights."""
+    from fairseq import options
+    from fairseq.models.transformer import TransformerConfig
+    from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+
+    from fairseq_helpers import TINY_MODEL_ARGS, USER_DIR
+    from mlmha_fairseq.models.slot_transformer import SlotTransformerDecoderLayer
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "unused-data-dir", "--task", "translation", "--user-dir", USER_DIR, "--arch", "slot_transformer",
+        *TINY_MODEL_ARGS, *NORMALIZATION[norm]])
+    vars(args).update(settings)  # fairseq's --scale-* settings have no legacy command-line option
+    cfg = TransformerConfig.from_namespace(args)
+    torch.manual_seed(0)
+    reference = TransformerDecoderLayerBase(cfg)
+    ours = (layer_class or SlotTransformerDecoderLayer)(cfg, layer_idx=0)
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    assert ours.state_dict().keys() == reference.state_dict().keys()
+    with torch.no_grad():  # non-trivial LayerNorm weights, also for the --scale-* modules
+        for name, parameter in reference.named_parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    ours.load_state_dict(reference.state_dict())
+    return reference.eval(), ours.eval()
+
+
+def layer_inputs(batch=3, tgt_len=5, src_len=4, dim=16, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tgt_len, batch, dim, generator=gen)
+    memory = torch.randn(src_len, batch, dim, generator=gen)
+    padding = torch.zeros(batch, src_len, dtype=torch.bool)
+    padding[1, :1] = True
+    return x, memory, padding
+
+
+SCALE_OPTIONS = {"plain": {}, "scaled": dict(scale_attn=True, scale_heads=True, scale_fc=True, scale_resids=True)}
+
+
+@pytest.mark.parametrize("norm", NORMALIZATION)
+@pytest.mark.parametrize("scale", SCALE_OPTIONS)
+def test_staged_layer_equals_fairseq_decoder_layer(norm, scale):
+    reference, ours = layer_pair(norm, **SCALE_OPTIONS[scale])
+    assert (ours.attn_ln is not None) == (scale == "scaled")
+    x, memory, padding = layer_inputs()
+    future = torch.triu(torch.full((x.size(0), x.size(0)), float("-inf")), 1)
+    with torch.no_grad():
+        expected = reference(x, memory, padding, self_attn_mask=future, need_attn=True)
+        got = ours(x, memory, padding, self_attn_mask=future, need_attn=True)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    assert got[2] is expected[2] is None
+
+
+@pytest.mark.parametrize("norm", NORMALIZATION)
+def test_staged_layer_equals_fairseq_decoder_layer_incrementally_with_reordering(norm):
+    reference, ours = layer_pair(norm)
+    x, memory, padding = layer_inputs()
+    new_order = torch.tensor([2, 0, 0])
+    states = {"reference": {}, "ours": {}}
+    with torch.no_grad():
+        for step in range(x.size(0)):
+            if step == 2:  # a beam-search reordering in the middle of decoding
+                x, memory, padding = x[:, new_order], memory[:, new_order], padding[new_order]
+                for layer, state in ((reference, states["reference"]), (ours, states["ours"])):
+                    layer.self_attn.reorder_incremental_state(state, new_order)
+                    layer.encoder_attn.reorder_incremental_state(state, new_order)
+            expected = reference(x[step:step + 1], memory, padding, states["reference"], need_attn=True)
+            got = ours(x[step:step + 1], memory, padding, states["ours"], need_attn=True)
+            assert torch.equal(got[0], expected[0]), f"step {step}"
+            assert torch.equal(got[1], expected[1]), f"step {step}"
+
+
+def test_staged_layer_passes_per_call_extras_to_the_step_after_self_attention():
+    from mlmha_fairseq.models.slot_transformer import LayerInput, SlotTransformerDecoderLayer
+
+    class Shifted(SlotTransformerDecoderLayer):
+        def after_self_attention(self, x, extras):
+            return x + extras["shift"]
+
+    reference, shifted = layer_pair("post-norm", Shifted)
+    x, memory, padding = layer_inputs()
+    shift = torch.full_like(x, 0.5)
+    with torch.no_grad():
+        got = shifted(x, LayerInput(memory, {"shift": shift}), padding)[0]
+        # the same layer from its stages, the shift added between them by hand
+        h = shifted.self_attention_stage(x, memory, padding, None, None, None, None)
+        h, _ = shifted.cross_attention_stage(h + shift, memory, padding, None, None, False, False)
+        expected = shifted.feed_forward_stage(h)
+        plain = reference(x, memory, padding)[0]
+    assert torch.equal(got, expected)
+    assert not torch.allclose(got, plain, atol=1e-3)

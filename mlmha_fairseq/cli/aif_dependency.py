@@ -1,4 +1,4 @@
-"""KL divergence between the AIF Main-Decoder and its ind-decoder (thesis §4.5.5, Fig. 4.7).
+r"""KL divergence between the AIF Main-Decoder and its ind-decoder (thesis §4.5.5, Fig. 4.7).
 
 Examples (the thesis' setting: 1,000 random En-Vi test sentences, MS-l + AIF models)::
 
@@ -11,7 +11,7 @@ import math
 
 from tqdm import tqdm
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.aif_dependency import aif_dependency, plot_aif_dependency
 from mlmha_fairseq.evaluation.model_loading import (
     DEFAULT_BATCH_SIZE,
@@ -28,7 +28,7 @@ DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B = 1.0, 20  # the authors' code: source leng
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoints", nargs="+",
                         help="fairseq checkpoints of ms_transformer models with --aux-fusion")
     parser.add_argument("--names", nargs="+", help="one name per checkpoint")

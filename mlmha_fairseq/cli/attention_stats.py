@@ -1,4 +1,4 @@
-"""Encoder self-attention mean distance and entropy per layer and head (thesis §9.3).
+r"""Encoder self-attention mean distance and entropy per layer and head (thesis §9.3).
 
 Example (1,500 random newstest2014 sentences, as the documents)::
 
@@ -9,35 +9,28 @@ import math
 
 from tqdm import tqdm
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.attention_statistics import encoder_attention_statistics
 from mlmha_fairseq.evaluation.model_loading import (
     DEFAULT_BATCH_SIZE,
-    apply_bpe,
     batches,
-    encode_lines,
     left_pad_source,
     load_model,
-    sample_indices,
+    read_sentences,
+    source_tokens,
 )
 from mlmha_fairseq.evaluation.plotting import plot_attention_heatmaps, plot_attention_layers
-from mlmha_fairseq.evaluation.text_io import read_lines, write_csv, write_json
+from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
 DEFAULT_SEED = 1
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoints", nargs="+", help="fairseq checkpoints (any model of this "
                                                        "package or fairseq's transformer)")
     parser.add_argument("--names", nargs="+", help="one name per checkpoint")
-    parser.add_argument("--data-bin", help="data directory with the dictionaries "
-                                           "(default: the one stored in the checkpoint)")
-    parser.add_argument("--input", required=True,
-                        help="source sentences, tokenized (and BPE-segmented unless --bpe-codes)")
-    parser.add_argument("--bpe-codes", help="subword-nmt codes to apply to --input")
-    parser.add_argument("--sample", type=int, help="analyse this many random sentences (default: all)")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed (default: %(default)s)")
+    cli_support.add_sentence_selection(parser, DEFAULT_SEED, sample_note="; the documents: 1500")
     parser.add_argument("--full-row", action="store_true",
                         help="sum over all keys j with |i-j| instead of the literal j<=i, i-j")
     parser.add_argument("--exclude-eos", action="store_true",
@@ -50,14 +43,12 @@ def build_parser():
 
 def attention_stats(parser, args) -> None:
     names = cli_support.system_names(parser, args.checkpoints, args.names)
-    lines = read_lines(args.input)
-    lines = [lines[i] for i in sample_indices(len(lines), args.sample, args.seed)]
-    lines = apply_bpe(lines, args.bpe_codes)
+    lines = read_sentences(args)
     rows, models, layer_means = [], [], {}
     for name, checkpoint in zip(names, args.checkpoints):
         model, task = load_model(checkpoint, args.data_bin)
         dictionary = task.source_dictionary
-        tokens = encode_lines(lines, dictionary)
+        tokens = source_tokens(args, task, lines)
         progress = tqdm(batches(tokens, dictionary, args.batch_size, left_pad_source(task)),
                         total=math.ceil(len(tokens) / args.batch_size), desc=name)
         stats = encoder_attention_statistics(model, progress, dictionary.pad(), dictionary.eos(),
@@ -70,7 +61,7 @@ def attention_stats(parser, args) -> None:
               + " ".join(f"{d:.3f}" for d in layer_means[name]["distance"])
               + " | entropy " + " ".join(f"{e:.4f}" for e in layer_means[name]["entropy"]))
     write_csv(args.output_prefix + ".csv", rows)
-    write_json(args.output_prefix + ".json", {"sentences": len(lines), "full_row": args.full_row,
+    write_json(args.output_prefix + ".json", {"sentences": len(tokens), "full_row": args.full_row,
                                               "exclude_eos": args.exclude_eos, "layers": layer_means})
     plot_attention_heatmaps(models, args.output_prefix + "_heads.png")
     plot_attention_layers(models, args.output_prefix + "_layers.png")

@@ -1,4 +1,4 @@
-"""Average the parameters of fairseq checkpoints (this package's models included).
+r"""Average the parameters of fairseq checkpoints (this package's models included).
 
 Examples::
 
@@ -9,18 +9,19 @@ Examples::
 """
 import logging
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.checkpoint_averaging import (
     average_checkpoints,
     last_checkpoints,
     save_checkpoint,
 )
+from mlmha_fairseq.output_files import refuse_overwriting_inputs
 
 logger = logging.getLogger(__name__)
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--inputs", nargs="+", help="checkpoint files; non-parameter entries are "
                                                     "taken from the last one")
@@ -50,6 +51,7 @@ def _paths(parser, args):
 
 def average(parser, args) -> None:
     paths = _paths(parser, args)
+    refuse_overwriting_inputs(args.output, paths)  # --input-dir's files too
     logger.info("averaging %d checkpoints: %s", len(paths), ", ".join(paths))
     save_checkpoint(average_checkpoints(paths), args.output)
     logger.info("wrote %s", args.output)

@@ -9,13 +9,20 @@ For every configuration, at one fixed model size and batch shape, in the same ru
 * FLOPs of one training step and of one beam search (``torch.utils.flop_counter``), whose
   ratios to the baseline are the bounds the time ratios should approach;
 * peak memory: the process's maximum resident set (CPU) or ``max_memory_allocated`` (CUDA)
-  of one training step and one beam search, each configuration in its own process.
+  of one training step and one beam search, each configuration in its own process;
+* the fused attention kernel (``scaled_dot_product_attention`` backend: flash, efficient,
+  cudnn or math) that MLMHA's attention runs at this shape, device and type.
+
+``--dtype fp16`` / ``bf16`` train as fairseq-train ``--fp16`` / ``--bf16`` do: the model in
+the half type, fairseq's ``FP16Optimizer`` keeping fp32 master weights; beam search runs the
+half-precision model, as fairseq-generate ``--fp16`` does. On CUDA every call is timed with
+CUDA events after a warm-up call.
 
 Each configuration's process also builds fairseq's transformer and alternates the two call
 by call, so the time ratios compare runs made under the same machine load.
 
-Usage: ``python -m mlmha_fairseq.cli.benchmark --output-dir bench`` (``--help`` for options);
-writes ``benchmark.json``, ``benchmark.csv``, ``benchmark.md`` and ``benchmark.png``.
+Usage: ``python -m mlmha_fairseq.cli.benchmark --output-dir bench`` (``--help`` for options),
+e.g. ``--device cuda --dtype bf16 --size base --sentences 128``; writes ``benchmark.json``, ``benchmark.csv``, ``benchmark.md`` and ``benchmark.png``.
 """
 import argparse
 import csv
@@ -31,47 +38,19 @@ from typing import Dict, List, Tuple
 
 import torch
 
-logger = logging.getLogger("mlmha_fairseq.benchmark")
-BASELINE = "transformer"
+from mlmha_fairseq.cli import _support as cli_support
+from mlmha_fairseq.cli.systems import BENCHMARK_KEYS, lookup
 
-# name -> (architecture, options); the fixed size is set by --size on top of these.
+logger = logging.getLogger("mlmha_fairseq.benchmark")
+BASELINE = BENCHMARK_KEYS[0]
+
+# name -> (architecture, options), from the package's one list of systems; the fixed size
+# is set by --size on top of these.
 CONFIGURATIONS: Dict[str, Tuple[str, List[str]]] = {
-    BASELINE: ("transformer", []),
-    "slot_transformer": ("slot_transformer", []),
-    **{
-        f"mlmha {variant}": ("slot_transformer", ["--decoder-cross-attention", "multi-layer", "--mlmha-variant", variant])
-        for variant in ("M-00", "M-01", "M-10", "M-11")
-    },
-    **{
-        f"aggregation {name}": ("slot_transformer", ["--layer-aggregation", name])
-        for name in ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")
-    },
-    **{
-        f"mlrf {name}": ("slot_transformer", ["--mlrf-encoder-fusion", encoder, "--mlrf-decoder-fusion", decoder, *extra])
-        for name, encoder, decoder, extra in (
-            ("Enc-FNN", "fnn", "none", []),
-            ("Dec-SA", "none", "sa", []),
-            ("Dec-SA + indep. W1", "none", "sa", ["--mlrf-indep-w1"]),
-            ("Both-FNN-SA", "fnn", "sa", []),
-        )
-    },
-    "mma": ("slot_transformer", ["--encoder-self-attention", "mixed"]),  # H/4 heads each of G, L, F, B
-    # Dual Contextual (thesis ch. 5, f = 2): Enc-DC, Dec-DC, Full-DC
-    "dc encoder": ("slot_transformer", ["--dc-encoder-layers", "all"]),
-    "dc decoder": ("slot_transformer", ["--dc-decoder-layers", "all"]),
-    "dc full": ("slot_transformer", ["--dc-encoder-layers", "all", "--dc-decoder-layers", "all"]),
-    # multi-level supervision (thesis ch. 4, Table 4.6a), trained with the joint loss: without
-    # AIF generation runs the main decoder only; with AIF the auxiliary decoders run in lock-step.
-    **{
-        name: ("ms_transformer", ["--aux-decoder-layers", layers, *fusion,
-                                  "--criterion", "multi_decoder_label_smoothed_cross_entropy"])
-        for name, layers, fusion in (
-            ("MS-1", "1", []),
-            ("MS-1 + AIF", "1", ["--aux-fusion"]),
-            ("MS-123 + AIF", "1,2,3", ["--aux-fusion"]),
-        )
-    },
+    key: (lookup(key).arch, lookup(key).options) for key in BENCHMARK_KEYS
 }
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 SIZES = {
     "small": dict(embed_dim=256, ffn_embed_dim=1024, heads=4, layers=4),
@@ -88,10 +67,12 @@ def size_options(size: str) -> List[str]:
     return [str(o) for o in options] + ["--share-all-embeddings", "--dropout", "0.1"]
 
 
-def build(name: str, size: str, vocab_size: int):
-    """The model, its training criterion and dictionary, built as fairseq-train builds them."""
+def build(name: str, size: str, vocab_size: int, dtype: str = "fp32"):
+    """The model, its training criterion, dictionary and configuration, built as
+    fairseq-train builds them (with Adam, and ``--fp16`` / ``--bf16`` for a half type)."""
     from fairseq import options, tasks
     from fairseq.data import Dictionary
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     import mlmha_fairseq
 
@@ -101,13 +82,14 @@ def build(name: str, size: str, vocab_size: int):
         parser,
         ["unused", "--task", "translation", "--user-dir", os.path.dirname(mlmha_fairseq.__file__),
          "--arch", arch, "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-         *size_options(size), *extra],
+         "--optimizer", "adam", *size_options(size), *extra, *([f"--{dtype}"] if dtype != "fp32" else [])],
     )
+    args.tpu = False  # fairseq's parser turns --bf16 into --tpu
     dictionary = Dictionary()
     for i in range(vocab_size - dictionary.nspecial):
         dictionary.add_symbol(f"w{i}")
     task = tasks.translation.TranslationTask(args, dictionary, dictionary)
-    return task.build_model(args), task.build_criterion(args), dictionary
+    return task.build_model(args), task.build_criterion(args), dictionary, convert_namespace_to_omegaconf(args)
 
 
 def random_sample(dictionary, sentences: int, length: int, device):
@@ -129,14 +111,21 @@ class Subject:
     Adam) and beam search forced to ``length`` tokens, so that every system decodes as much."""
 
     def __init__(self, name: str, opts, device):
+        from fairseq.optim import FP16Optimizer
         from fairseq.sequence_generator import SequenceGenerator
 
         torch.manual_seed(0)
         self.name = name
-        self.model, self.criterion, dictionary = build(name, opts.size, opts.vocab_size)
-        self.model.to(device)
+        self.model, self.criterion, dictionary, cfg = build(name, opts.size, opts.vocab_size, opts.dtype)
+        self.model.to(device=device, dtype=DTYPES[opts.dtype])
         self.sample = random_sample(dictionary, opts.sentences, opts.length, device)
-        self.optimizer = torch.optim.Adam(self.model.parameters())
+        params = list(self.model.parameters())
+        if opts.dtype == "fp32":
+            self.optimizer = torch.optim.Adam(params)
+        else:
+            # fairseq's flat fp32 master copy is CUDA-only; one fp32 copy per tensor elsewhere
+            cfg.common.fp16_no_flatten_grads = device.type != "cuda"
+            self.optimizer = FP16Optimizer.build_optimizer(cfg, params)
         self.beam = opts.beam
         self.generator = SequenceGenerator([self.model], dictionary, beam_size=opts.beam,
                                            max_len_a=0, max_len_b=opts.length, min_len=opts.length)
@@ -148,7 +137,10 @@ class Subject:
         self.model.train()
         self.optimizer.zero_grad()
         loss, _, _ = self.criterion(self.model, self.sample)
-        loss.backward()
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            loss.backward()
+        else:
+            self.optimizer.backward(loss)  # scaled by fairseq's loss scaler for fp16
         self.optimizer.step()
 
     def generate(self):
@@ -170,6 +162,21 @@ class Subject:
         return counter.get_total_flops()
 
 
+def seconds(call, device) -> float:
+    """Wall time of ``call()``; on CUDA, between two CUDA events around it."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
 def interleaved_seconds(subjects: List[Subject], action: str, repeats: int, device) -> List[float]:
     """Median seconds of ``action`` per subject, the subjects alternating call by call so
     that a change of machine load affects them alike (after one warm-up call each).
@@ -177,15 +184,40 @@ def interleaved_seconds(subjects: List[Subject], action: str, repeats: int, devi
     times = [[] for _ in subjects]
     for repeat in range(repeats + 1):
         for subject, collected in zip(subjects, times):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            getattr(subject, action)()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            elapsed = seconds(getattr(subject, action), device)
             if repeat > 0:
-                collected.append(time.perf_counter() - start)
+                collected.append(elapsed)
     return [median(t) for t in times]
+
+
+# profiler names of the kernels behind F.scaled_dot_product_attention, most specific first
+SDPA_BACKENDS = [("cudnn_attention", "cudnn"), ("flash_attention_for_cpu", "flash (cpu)"),
+                 ("flash_attention", "flash"), ("efficient_attention", "efficient"), ("attention_math", "math")]
+
+
+def sdpa_backend(subject: Subject, opts) -> str:
+    """The ``scaled_dot_product_attention`` backend of MLMHA's attention in training, at this
+    shape, device and type (read from the profiler's operator names); "" without MLMHA."""
+    from torch.profiler import profile
+
+    from mlmha_fairseq.modules.multi_layer_attention import MultiLayerMultiheadAttention
+
+    module = next((m for m in subject.model.modules() if isinstance(m, MultiLayerMultiheadAttention)), None)
+    if module is None:
+        return ""
+    parameter = next(module.parameters())
+    shape = (opts.length, opts.sentences, module.embed_dim)
+    query = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
+    taps = torch.randn((module.num_taps, *shape), device=parameter.device, dtype=parameter.dtype)
+    no_pads = torch.zeros(opts.sentences, opts.length, dtype=torch.bool, device=parameter.device)
+    module.train()
+    with profile() as profiler:
+        module(query, taps, taps, key_padding_mask=no_pads)
+    names = {event.key for event in profiler.key_averages()}
+    for fragment, backend in SDPA_BACKENDS:
+        if any(fragment in name for name in names):
+            return backend
+    return "none"
 
 
 def measure_speed(name: str, opts) -> dict:
@@ -194,10 +226,12 @@ def measure_speed(name: str, opts) -> dict:
     subjects = [Subject(BASELINE, opts, device)] + ([Subject(name, opts, device)] if name != BASELINE else [])
     train = interleaved_seconds(subjects, "train_step", opts.steps, device)
     train_flops = [subject.flops("train_step") for subject in subjects]
+    backend = sdpa_backend(subjects[-1], opts)
     generate = interleaved_seconds(subjects, "generate", max(1, opts.steps // 2), device)
     gen_flops = [subject.flops("generate") for subject in subjects]
     return {
         "name": name,
+        "sdpa_backend": backend,
         "params": sum(p.numel() for p in subjects[-1].model.parameters()),
         "train_tokens_per_s": opts.sentences * opts.length / train[-1],
         "gen_sentences_per_s": opts.gen_sentences / generate[-1],
@@ -238,19 +272,19 @@ def with_ratios(rows: List[dict]) -> List[dict]:
     return rows
 
 
-COLUMNS = ["name", "params", "param_ratio", "flop_ratio", "train_time_ratio", "gen_flop_ratio", "gen_time_ratio",
+COLUMNS = ["name", "sdpa_backend", "params", "param_ratio", "flop_ratio", "train_time_ratio", "gen_flop_ratio", "gen_time_ratio",
            "memory_ratio", "train_tokens_per_s", "gen_sentences_per_s", "peak_memory_mb"]
 
 
 def markdown_table(rows: List[dict]) -> str:
     header = ("| configuration | params | train FLOPs x | train time x | generation FLOPs x "
-              "| generation time x | peak memory x | train tok/s | gen sent/s |\n"
-              "|---|---|---|---|---|---|---|---|---|\n")
+              "| generation time x | peak memory x | train tok/s | gen sent/s | MLMHA's SDPA kernel |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n")
     return header + "".join(
         f"| {r['name']} | {r['params'] / 1e6:.2f}M | {r['flop_ratio']:.2f} | {r['train_time_ratio']:.2f} "
         f"| {r['gen_flop_ratio']:.2f} | {r['gen_time_ratio']:.2f} | {r['memory_ratio']:.2f} "
         f"| {r['train_tokens_per_s']:.0f} "
-        f"| {r['gen_sentences_per_s']:.2f} |\n"
+        f"| {r['gen_sentences_per_s']:.2f} | {r['sdpa_backend']} |\n"
         for r in rows
     )
 
@@ -274,19 +308,34 @@ def plot(rows: List[dict], path: str):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("--configs", default="all",
-                        help=f"comma-separated names or 'all' (always with {BASELINE}): {', '.join(CONFIGURATIONS)}")
-    parser.add_argument("--size", choices=SIZES, default="small")
-    parser.add_argument("--sentences", type=int, default=32, help="training batch, sentences")
-    parser.add_argument("--length", type=int, default=32, help="source and target length, tokens")
-    parser.add_argument("--gen-sentences", type=int, default=16)
-    parser.add_argument("--beam", type=int, default=5)
-    parser.add_argument("--vocab-size", type=int, default=8000)
+                        help=f"comma-separated names or 'all' (always with {BASELINE}): "
+                             f"{', '.join(CONFIGURATIONS)} (default: %(default)s)")
+    parser.add_argument("--size", choices=SIZES, default="small",
+                        help="model size, the same for every system: " + "; ".join(
+                            f"{name} = {s['layers']} layers, {s['embed_dim']}-dim, {s['heads']} heads"
+                            for name, s in SIZES.items()) + " (default: %(default)s)")
+    parser.add_argument("--sentences", type=int, default=32,
+                        help="training batch, sentences (default: %(default)s)")
+    parser.add_argument("--length", type=int, default=32,
+                        help="source and target length, tokens (default: %(default)s)")
+    parser.add_argument("--gen-sentences", type=int, default=16,
+                        help="sentences per beam search (default: %(default)s)")
+    parser.add_argument("--beam", type=int, default=5, help="beam size (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=8000,
+                        help="joint vocabulary size of the random data (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=6,
-                        help="timed training steps per system, after one warm-up (median); beam searches: half")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output-dir", default="bench")
+                        help="timed training steps per system, after one warm-up (median); beam "
+                             "searches: half (default: %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device to measure on, e.g. cpu, cuda, cuda:1 (default: cuda "
+                             "when available, else cpu; here %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                        help="fp16 / bf16: as fairseq-train --fp16 / --bf16 (half-precision model, "
+                             "fp32 master weights) and fairseq-generate --fp16 (default: %(default)s)")
+    parser.add_argument("--output-dir", default="bench",
+                        help="folder for benchmark.json, .csv, .md and .png (default: %(default)s)")
     parser.add_argument("--speed-worker", help=argparse.SUPPRESS)
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -310,14 +359,17 @@ def main(argv=None):
         sys.exit(f"error: unknown configuration(s) {unknown}; choose from {list(CONFIGURATIONS)}")
     rows = []
     for number, name in enumerate(names, 1):
-        logger.info("%d/%d %s (size %s, %s)", number, len(names), name, opts.size, opts.device)
+        logger.info("%d/%d %s (size %s, %s, %s)", number, len(names), name, opts.size, opts.device, opts.dtype)
         row = run_worker("speed-worker", name, argv)
         row["peak_memory_mb"] = run_worker("memory-worker", name, argv)
         rows.append(row)
     rows = with_ratios(rows)
     os.makedirs(opts.output_dir, exist_ok=True)
     with open(os.path.join(opts.output_dir, "benchmark.json"), "w") as f:
-        json.dump({"settings": vars(opts), "results": rows}, f, indent=2)
+        device = torch.device(opts.device)
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        json.dump({"settings": {**vars(opts), "device_name": device_name, "torch": torch.__version__},
+                   "results": rows}, f, indent=2)
     with open(os.path.join(opts.output_dir, "benchmark.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()

@@ -1,4 +1,4 @@
-"""Jensen-Shannon divergence between the Dual Contextual module's two FI units (thesis Fig. 5.4).
+r"""Jensen-Shannon divergence between the Dual Contextual module's two FI units (thesis Fig. 5.4).
 
 Examples (the kernel-size sweep of §9.9-9.10 on newstest2014)::
 
@@ -10,7 +10,7 @@ import math
 
 from tqdm import tqdm
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.fi_diversity import HEAD_REDUCTIONS, MAX, fi_diversity, plot_fi_diversity
 from mlmha_fairseq.evaluation.model_loading import (
     DEFAULT_BATCH_SIZE,
@@ -26,7 +26,7 @@ DEFAULT_SEED = 1
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoints", nargs="+",
                         help="fairseq checkpoints of models with --dc-encoder-layers")
     parser.add_argument("--names", nargs="+", help="one name per checkpoint")

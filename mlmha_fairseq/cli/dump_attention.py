@@ -1,6 +1,6 @@
-"""Per-head encoder self-attention weights of chosen sentences, as data and PNG heat maps.
+r"""Per-head encoder self-attention weights of chosen sentences, as data and PNG heat maps.
 
-For the MMA paper's Figure 3 (spec A.7 item 4): every encoder layer and head, rows are query
+For the MMA paper's Figure 3 (Cui et al. 2019): every encoder layer and head, rows are query
 tokens and columns key tokens, padding removed, EOS kept. Example::
 
     python -m mlmha_fairseq.cli.dump_attention checkpoints/mma/checkpoint_best.pt \
@@ -14,14 +14,14 @@ import os
 
 import numpy as np
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.attention_dump import head_types, plot_sentence_attention, sentence_attention
 from mlmha_fairseq.evaluation.model_loading import apply_bpe, encode_lines, left_pad_source, load_model
-from mlmha_fairseq.evaluation.text_io import InputError, read_lines, write_json
+from mlmha_fairseq.evaluation.text_io import InputError, read_lines, write_arrays, write_json
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoint", help="a fairseq checkpoint (any model of this package or "
                                            "fairseq's transformer)")
     parser.add_argument("--data-bin", help="data directory with the dictionaries "
@@ -59,7 +59,7 @@ def dump_attention(parser, args) -> None:
     for (number, _), tokens, sentence_weights in zip(chosen, token_lists, weights):
         words = [dictionary[index] for index in tokens.tolist()]
         stem = os.path.join(args.output_dir, f"line{number}")
-        np.savez_compressed(stem + ".npz", weights=sentence_weights, tokens=np.array(words))
+        write_arrays(stem + ".npz", weights=sentence_weights, tokens=np.array(words))
         if not args.no_plots:
             plot_sentence_attention(words, sentence_weights, types, stem + ".png", f"line {number}")
         sentences.append({"line": number, "tokens": words, "data": os.path.basename(stem) + ".npz"})

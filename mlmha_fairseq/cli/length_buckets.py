@@ -1,11 +1,11 @@
-"""BLEU by source-length bucket for one or more systems, with counts per bucket.
+r"""BLEU by source-length bucket for one or more systems, with counts per bucket.
 
 Example (MLMHA/thesis En-De: subword counts, buckets [0,10) ... [50,inf))::
 
     python -m mlmha_fairseq.cli.length_buckets base.out m10.out --names Transformer M-10 \
         --source test.bpe.en --ref test.de --input-format generate
 """
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.length_buckets import (
     CLOSED_SIDES,
     DEFAULT_EDGES,
@@ -21,7 +21,7 @@ from mlmha_fairseq.evaluation.text_io import read_lines, write_csv, write_json
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0], cli_support.protocols_epilog())
+    parser = cli_support.make_parser(__spec__.name, __doc__, cli_support.protocols_epilog())
     parser.add_argument("systems", nargs="+", help="system files (plain text or fairseq-generate output)")
     parser.add_argument("--names", nargs="+", help="one name per system file")
     parser.add_argument("--source", required=True,

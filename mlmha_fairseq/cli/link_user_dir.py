@@ -6,13 +6,13 @@ an editable install (``pip install -e .``) does not, so this command links
 ``site-packages/mlmha_fairseq`` to the package folder. ``make test``/``make demo`` run it.
 Usage: ``python -m mlmha_fairseq.cli.link_user_dir``.
 """
-import argparse
 import os
 import sys
 
 import fairseq
 
 import mlmha_fairseq
+from mlmha_fairseq.cli import _support as cli_support
 
 
 def link_target() -> str:
@@ -20,7 +20,7 @@ def link_target() -> str:
 
 
 def main(argv=None):
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
+    cli_support.make_parser(__spec__.name, __doc__).parse_args(argv)
     package = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
     link = link_target()
     if os.path.realpath(link) == os.path.realpath(package):

@@ -1,6 +1,6 @@
-"""MLRF SA hop weights per position during forced decoding, as data and PNG heat maps.
+r"""MLRF SA hop weights per position during forced decoding, as data and PNG heat maps.
 
-For the MLRF paper's Figure 5 (§4.8; spec B.10 item 4): the weights ``a_p^l`` of every hop p
+For the MLRF paper's Figure 5 (§4.8): the weights ``a_p^l`` of every hop p
 over the fused layers l0..lL at each target position of a Dec-SA model (``--side encoder``:
 each source position of an Enc-SA model), the reference fed in as in training. Example::
 
@@ -20,7 +20,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.hop_weights import (
     SIDES,
     forced_decoding_hop_weights,
@@ -37,7 +37,7 @@ X_LABELS = ("input", "output")
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoint", help="a fairseq checkpoint of an MLRF model with SA fusion")
     parser.add_argument("--data-bin", help="data directory with the dictionaries (and --split) "
                                            "(default: the one stored in the checkpoint)")

@@ -1,7 +1,7 @@
 """Cross-attention of a multi-source model per source, and the hierarchical second-level
 weights per source and decoder layer, as data and PNG heat maps.
 
-For Libovický et al. (2018), Appendix A and Figure 2 (spec mma_multisource.md B.9): a
+For Libovický et al. (2018), Appendix A and Figure 2: a
 teacher-forced pass over the references of a binarized split, weights averaged over heads,
 padding removed, EOS kept. Example::
 
@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from mlmha_fairseq.data.multi_source_dataset import IMAGE, DataError
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE, load_model
 from mlmha_fairseq.evaluation.multi_source_attention import (
     image_tokens,
@@ -33,14 +33,14 @@ from mlmha_fairseq.evaluation.multi_source_attention import (
     sentence_weights,
     source_labels,
 )
-from mlmha_fairseq.evaluation.text_io import InputError, write_csv, write_json
+from mlmha_fairseq.evaluation.text_io import InputError, write_arrays, write_csv, write_json
 from mlmha_fairseq.models.multi_source import combination_modules
 
 PAPER_LAYER = 4  # [paper] Appendix A shows the "fourth layer" (1-based)
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoint", help="a multi_source_transformer checkpoint")
     parser.add_argument("--data-bin", help="data directory (default: the checkpoint's)")
     parser.add_argument("--split", default="test", help="binarized split (default: %(default)s)")
@@ -117,7 +117,7 @@ def dump(parser, args) -> None:
         arrays = {f"source_{name}": w for name, w in zip(names, sentence["sources"])}
         if hierarchical:
             arrays["contexts"] = sentence["contexts"]
-        np.savez_compressed(stem + ".npz", **arrays)
+        write_arrays(stem + ".npz", **arrays)
         summary["lines"].append({"line": number, "target": target, "sources": dict(zip(names, sources)),
                                  "data": os.path.basename(stem) + ".npz"})
         if not args.no_plots:

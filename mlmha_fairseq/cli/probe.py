@@ -1,4 +1,4 @@
-"""Probing classifiers on frozen encoder features (thesis §9.7, SentEval probing tasks).
+r"""Probing classifiers on frozen encoder features (thesis §9.7, SentEval probing tasks).
 
 Example::
 
@@ -12,7 +12,7 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.model_loading import (
     DEFAULT_BATCH_SIZE,
     apply_bpe,
@@ -38,7 +38,7 @@ DEFAULT_SEED = 1
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoints", nargs="+", help="fairseq checkpoints whose encoders are probed")
     parser.add_argument("--names", nargs="+", help="one name per checkpoint")
     parser.add_argument("--tasks", nargs="+", required=True,

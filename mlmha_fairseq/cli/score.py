@@ -1,4 +1,4 @@
-"""Score a system with one of the documents' protocols; prints sacreBLEU's line and signature.
+r"""Score a system with one of the documents' protocols; prints sacreBLEU's line and signature.
 
 Examples::
 
@@ -8,12 +8,12 @@ Examples::
 """
 import json
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.scoring import corpus_score, load_hypotheses, load_references
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0], cli_support.protocols_epilog())
+    parser = cli_support.make_parser(__spec__.name, __doc__, cli_support.protocols_epilog())
     parser.add_argument("hypotheses", help="hypothesis file (plain text or fairseq-generate output)")
     cli_support.add_text_options(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead")

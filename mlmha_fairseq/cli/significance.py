@@ -1,4 +1,4 @@
-"""Paired significance tests of systems against a baseline, with a daggered results table.
+r"""Paired significance tests of systems against a baseline, with a daggered results table.
 
 Example::
 
@@ -6,7 +6,7 @@ Example::
         --names Transformer M-00 M-01 --input-format generate --protocol sacrebleu \
         --ref newstest2014.de --methods thesis compare-mt sacrebleu-bs
 """
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.plotting import plot_significance
 from mlmha_fairseq.evaluation.scoring import load_hypotheses, load_references
 from mlmha_fairseq.evaluation.significance import (
@@ -31,7 +31,7 @@ marks: ‡ p < 0.01, † p < 0.05 (from --mark-method)"""
 
 def build_parser():
     epilog = METHOD_HELP + "\n\n" + cli_support.protocols_epilog()
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0], epilog)
+    parser = cli_support.make_parser(__spec__.name, __doc__, epilog)
     parser.add_argument("systems", nargs="+",
                         help="system files, the BASELINE FIRST (plain text or fairseq-generate output)")
     parser.add_argument("--names", nargs="+", help="one name per system file")

@@ -1,7 +1,7 @@
 """Remove the auxiliary decoders from an MS-l checkpoint for deployment.
 
-Without AIF the auxiliary decoders "can be discarded after training" (spec thesis §3.3,
-pitfall 14).
+Without AIF the auxiliary decoders "can be discarded after training" (thesis
+§4.3).
 
 Example::
 
@@ -18,8 +18,9 @@ import logging
 import os
 from typing import Dict
 
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.checkpoint_averaging import save_checkpoint
+from mlmha_fairseq.evaluation.model_loading import checkpoint_errors
 from mlmha_fairseq.evaluation.text_io import InputError
 from mlmha_fairseq.models.multi_level_supervision import NO_AUX
 
@@ -29,7 +30,7 @@ AUX_PARAMETER_PARTS = ("aux_decoders", "aux_layer_norms")
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__.split("\n")[0])
+    parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("input", help="checkpoint of an ms_transformer model without --aux-fusion")
     parser.add_argument("output", help="checkpoint to write (must differ from the input)")
     return parser
@@ -73,9 +74,8 @@ def strip_aux_decoders_cli(parser, args) -> None:
 
     if not os.path.isfile(args.input):
         raise InputError(f"checkpoint not found: {args.input}")
-    if os.path.abspath(args.input) == os.path.abspath(args.output):
-        raise InputError("the output must not overwrite the input checkpoint")
-    state = load_checkpoint_to_cpu(args.input)
+    with checkpoint_errors(args.input):
+        state = load_checkpoint_to_cpu(args.input)
     counts = strip_aux_decoders(state)
     save_checkpoint(state, args.output)
     logger.info("removed %d auxiliary tensors, kept %d: %s", counts["removed"], counts["kept"],

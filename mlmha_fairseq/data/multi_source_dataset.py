@@ -1,4 +1,4 @@
-"""N-way parallel data for multi-source translation (spec mma_multisource.md, pitfalls M1-M2).
+"""N-way parallel data for multi-source translation (Libovický et al. 2018).
 
 :class:`MultiSourceLanguagePairDataset` holds n aligned sources and one target. Item ``i``
 is line ``i`` of every file, so every filter and every batch works on whole tuples and the
@@ -12,11 +12,13 @@ import numpy as np
 import torch
 from fairseq.data import FairseqDataset, data_utils
 
-TEXT, IMAGE = "text", "image"
+from mlmha_fairseq.errors import UsageError
+
+from ..source_kinds import IMAGE, TEXT  # noqa: F401 (also imported from here)
 NPY_SUFFIX = ".npy"
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Misaligned or missing data, reported with the file names before training starts."""
 
 
@@ -24,13 +26,13 @@ class ImageFeatureDataset(FairseqDataset):
     """Precomputed image features: row ``i`` of a ``.npy`` array ``[N, positions, channels]``
     (e.g. a ResNet's last convolutional layer, ``H*W`` positions), memory-mapped. Items are
     ``positions x channels`` float tensors; a batch stacks them (every image has the same
-    number of positions, so there is no padding: pitfall M2)."""
+    number of positions, so there is no padding)."""
 
     def __init__(self, path: str):
         self.path = path
         try:
             self.features = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, EOFError) as error:  # numpy: EOFError for an empty file
             raise DataError(f"cannot read image features {path}: {error}") from error
         if self.features.ndim != 3:
             raise DataError(f"image features {path} have shape {self.features.shape}; "
@@ -91,7 +93,7 @@ class MultiSourceLanguagePairDataset(FairseqDataset):
         target: the target token dataset (None for inference without references).
         dictionary: the joint dictionary (padding and EOS of every text side).
         primary_index: the text source put in ``net_input["src_tokens"]``, which fairseq's
-            generator reads for the batch size and the maximum output length (pitfall M3).
+            generator reads for the batch size and the maximum output length.
 
     A batch's ``net_input`` holds ``src_tokens``/``src_lengths`` (the primary source),
     ``multi_source_inputs`` (n tensors: ``B x S_k`` token ids, padded per source, or ``B x

@@ -7,6 +7,9 @@ One module per mechanism:
 - ``scoring``: the documents' BLEU/chrF protocols on top of sacreBLEU.
 - ``significance``: paired bootstrap (sacreBLEU, compare-mt, thesis protocol) and
   paired approximate randomization.
+- ``replicates``: optimizer replicates reported as MultEval does (mean ± sd over seeds,
+  s_sel, approximate randomization over the replicates) as Markdown/LaTeX/JSON/PNG.
+- ``meteor``: METEOR through nltk with WordNet 3.0 from an installed package.
 - ``length_buckets``: BLEU by source-length bucket.
 - ``attention_statistics``: encoder self-attention mean distance and entropy.
 - ``model_loading``: loading a fairseq checkpoint and encoding sentences.
@@ -14,5 +17,4 @@ One module per mechanism:
 - ``checkpoint_averaging``: averaging fairseq checkpoints.
 - ``training_curves``: train/valid statistics against updates or epochs from fairseq's JSON logs.
 - ``plotting``: the PNG figures written by every analysis.
-- ``cli_support``: argparse options and error handling shared by ``mlmha_fairseq.cli``.
 """

@@ -1,5 +1,5 @@
 """How much the Main-Decoder depends on the auxiliary information of AIF (thesis §4.5.5,
-Figs. 4.7-4.8; spec §9.8).
+Figs. 4.7-4.8).
 
 The *ind-decoder* is the Main-Decoder with every AIF matrix ``W^{a_i}_l`` set to zero (it
 shares every other parameter). For each sentence, the Main-Decoder (with AIF) decodes
@@ -12,7 +12,7 @@ encoder-decoder attention distributions ``A^m_h, A^ind_h`` (Z x J):
 
     D^l_h = KL(A^m_h || A^ind_h),    D^l = 1/N_h sum_h D^l_h                      (Fig. 4.7b)
 
-Readings [choice] (spec §9.8): the KL of two Z x J matrices is taken row-wise (over source
+Readings [choice] (the thesis does not say): the KL of two Z x J matrices is taken row-wise (over source
 positions) and averaged over the target positions of all sentences; ``|Y|`` counts every
 predicted token, the final EOS included. Natural logarithms (nats). Teacher forcing the greedy
 output gives the same distributions as stepping both decoders along it (the decoders are

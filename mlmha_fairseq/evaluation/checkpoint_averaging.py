@@ -9,7 +9,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from mlmha_fairseq.evaluation.model_loading import checkpoint_errors
 from mlmha_fairseq.evaluation.text_io import InputError
+from mlmha_fairseq.output_files import atomic_output
 
 CHECKPOINT_PATTERNS = {
     "epoch": r"checkpoint(\d+)\.pt",
@@ -57,7 +59,8 @@ def average_checkpoints(paths: Sequence[str]) -> dict:
     for path in paths:
         if not os.path.isfile(path):
             raise InputError(f"checkpoint not found: {path}")
-        state = load_checkpoint_to_cpu(path)
+        with checkpoint_errors(path):
+            state = load_checkpoint_to_cpu(path)
         model = state["model"]
         if shapes is None:
             shapes = {name: tensor.shape for name, tensor in model.items()}
@@ -73,7 +76,8 @@ def average_checkpoints(paths: Sequence[str]) -> dict:
 
 
 def save_checkpoint(state: dict, path: str) -> None:
-    """Save an averaged state with ``torch.save``.
+    """Save an averaged state with ``torch.save``, through a temporary file renamed into
+    place (an interrupted save leaves no broken checkpoint).
 
     ``load_checkpoint_to_cpu`` turned ``cfg`` into an OmegaConf object; it is stored as a
     plain container, as fairseq's trainer does, so that ``weights_only`` loading accepts it.
@@ -83,7 +87,5 @@ def save_checkpoint(state: dict, path: str) -> None:
     if OmegaConf.is_config(state.get("cfg")):
         state = dict(state, cfg=OmegaConf.to_container(state["cfg"], resolve=True,
                                                        enum_to_str=True))
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    torch.save(state, path)
+    with atomic_output(path) as temporary:
+        torch.save(state, temporary)

@@ -1,4 +1,4 @@
-"""Diversity of the Dual Contextual module's two FI units (thesis Fig. 5.4; spec §9.10).
+"""Diversity of the Dual Contextual module's two FI units (thesis Fig. 5.4, §5.5).
 
 For every encoder layer l with a DC module, ``alpha_g`` and ``alpha_l`` are the attention
 weights of the FI units ``FI(r, r)`` and ``FI(r, l_c)``, each "represented by the attention
@@ -9,7 +9,7 @@ head with the maximum weight distribution among all N_h heads". The divergence o
 
 and the model's ``E_d = 1/L sum_l dv_l`` over its DC layers.
 
-Readings [choice] (the thesis is ambiguous, spec §9.10): ``max`` (default) takes the
+Readings [choice] (the thesis is ambiguous): ``max`` (default) takes the
 element-wise maximum over heads and renormalises every query row; ``peak-head`` takes, per
 query row, the one head whose row has the largest weight. The JS divergence is computed
 per query row (natural log, so 0 <= JS <= ln 2) over the sentence's real keys and averaged

@@ -1,8 +1,8 @@
 """BLEU by source-length bucket.
 
-Spec: mlmha_mlrf.md A.9.1 and thesis_jas_ms_dc.md §9.1 (En-De: source subword counts,
+As in Ampomah et al. 2020 and the thesis (En-De: source subword counts,
 half-open buckets ``[0,10), [10,20), ..., [50,inf)``; En-Vi: whitespace tokens of the
-pre-tokenized source, inclusive groups 1-10, 11-20, ..., >40), mma_multisource.md A.7.2
+pre-tokenized source, inclusive groups 1-10, 11-20, ..., >40), and Cui et al. 2019
 (right-closed groups ``(0,10], ..., (50,inf)`` on source words before BPE).
 EOS is never counted.
 

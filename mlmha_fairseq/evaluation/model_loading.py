@@ -1,7 +1,10 @@
 """Loading a fairseq checkpoint and turning source sentences into encoder batches
 (shared by the attention statistics and the probing features)."""
+import contextlib
 import os
+import pickle
 import random
+import re
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -9,6 +12,29 @@ import torch
 from mlmha_fairseq.evaluation.text_io import InputError, read_lines
 
 DEFAULT_BATCH_SIZE = 32
+# What torch's "Weights only load failed" message says about the refused content.
+_UNPICKLER_DETAIL = re.compile(r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)", re.S)
+
+
+@contextlib.contextmanager
+def checkpoint_errors(path: str):
+    """Turn torch's errors for a file that is not a loadable checkpoint (empty, truncated,
+    not a torch file, or holding objects safe loading refuses) into one :class:`InputError`
+    naming ``path``."""
+    try:
+        yield
+    except EOFError as error:
+        raise InputError(f"checkpoint {path} is empty or truncated") from error
+    except pickle.UnpicklingError as error:
+        match = _UNPICKLER_DETAIL.search(str(error))
+        detail = " ".join(match.group(1).split()) if match else str(error).splitlines()[0]
+        raise InputError(f"checkpoint {path} cannot be loaded safely ({detail}): it is not a "
+                         "fairseq checkpoint of this package or fairseq; never turn safe "
+                         "loading off (weights_only=False) for a file you did not make") from error
+    except RuntimeError as error:
+        if "PytorchStreamReader" not in str(error):
+            raise
+        raise InputError(f"checkpoint {path} is truncated or corrupt ({str(error).split('.')[0]})") from error
 
 
 def load_model(checkpoint: str, data_bin: Optional[str] = None):
@@ -25,8 +51,9 @@ def load_model(checkpoint: str, data_bin: Optional[str] = None):
     if data_bin is not None and not os.path.isdir(data_bin):
         raise InputError(f"data-bin directory not found: {data_bin}")
     overrides = {"data": data_bin} if data_bin else None
-    models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-        [checkpoint], arg_overrides=overrides)
+    with checkpoint_errors(checkpoint):
+        models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+            [checkpoint], arg_overrides=overrides)
     return models[0].eval(), task
 
 

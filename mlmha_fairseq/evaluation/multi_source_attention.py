@@ -1,11 +1,11 @@
 """Cross-attention weights of a multi-source model per source (Libovický et al. 2018,
 Appendix A) and the hierarchical second-level weights per source and decoder layer
-(Figure 2); spec mma_multisource.md B.9 items 3-4.
+(Figure 2).
 
 Weights are recorded by the combination sublayers (``record_weights``) on a teacher-forced
 pass over the reference translation, averaged over heads. Padding is removed; EOS is kept.
 For the hierarchical strategy the joint view multiplies each source's weights by that
-source's second-level weight ([choice] both levels averaged over heads first, spec B.9.3).
+source's second-level weight ([choice] both levels averaged over heads first).
 """
 from typing import Dict, List, Sequence
 

@@ -1,8 +1,9 @@
 """PNG figures for the analyses (matplotlib, Agg backend, small files)."""
-import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
+
+from mlmha_fairseq.output_files import atomic_output
 
 DPI = 100
 BAR_GROUP_WIDTH = 0.8
@@ -24,12 +25,12 @@ def pyplot():
 
 def save_figure(figure, path: str) -> None:
     """Write ``figure`` as a PNG (creating its folder) and close it."""
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=DPI)
-    pyplot().close(figure)
+    try:
+        with atomic_output(path) as temporary:
+            figure.savefig(temporary, dpi=DPI)
+    finally:
+        pyplot().close(figure)
 
 
 def _grouped_bars(axis, categories: Sequence[str], series: Dict[str, Sequence[float]]) -> None:
@@ -59,12 +60,17 @@ def plot_significance(names: Sequence[str], scores: Sequence[float],
                       intervals: Sequence[Optional[Tuple[float, float]]],
                       marks: Sequence[str], metric: str, method: str, path: str) -> None:
     """Each system's score with its 95% resampling interval and significance mark; the
-    first system is the baseline (dashed line)."""
+    first system is the baseline (dashed line).
+
+    The interval is drawn from its own bounds, not as error bars around the score: a
+    bootstrap interval need not contain the full test set's score (sacreBLEU's is centred
+    on the resampled mean), and error bars cannot be negative."""
     plt = pyplot()
     figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
     for position, (score, interval, mark) in enumerate(zip(scores, intervals, marks)):
-        error = None if interval is None else [[score - interval[0]], [interval[1] - score]]
-        axis.errorbar(position, score, yerr=error, fmt="o", capsize=4, color="tab:blue")
+        if interval is not None:
+            axis.plot([position, position], interval, marker="_", markersize=12, color="tab:blue")
+        axis.plot(position, score, "o", color="tab:blue")
         axis.annotate(f"{score:.2f}{mark}", (position, score), textcoords="offset points",
                       xytext=(8, 0), va="center")
     axis.axhline(scores[0], linestyle="--", color="grey")
@@ -140,4 +146,28 @@ def plot_training_curves(runs: Dict[str, Dict[str, Sequence[Tuple[float, float]]
     axis.set_xlabel(x_label)
     axis.set_ylabel(stat)
     axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save_figure(figure, path)
+
+
+def plot_replicates(names: Sequence[str], per_seed: Sequence[Sequence[float]], metric: str, title: str,
+                    path: str) -> None:
+    """Each system's per-seed scores as dots, with their mean and standard deviation, so that
+    the seed-to-seed spread is visible; the first system is the baseline (dashed line)."""
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=BAR_FIGSIZE)
+    for position, values in enumerate(per_seed):
+        values = np.asarray(values, dtype=np.float64)
+        spread = values.std(ddof=1) if len(values) > 1 else 0.0
+        axis.errorbar(position + 0.15, values.mean(), yerr=spread, fmt="s", capsize=4, color="tab:orange",
+                      label="mean ± sd" if position == 0 else None)
+        axis.scatter(np.full(len(values), position - 0.1), values, color="tab:blue", zorder=3,
+                     label="one seed" if position == 0 else None)
+    axis.axhline(np.mean(per_seed[0]), linestyle="--", color="grey")
+    axis.set_xticks(range(len(names)))
+    axis.set_xticklabels(names, rotation=20, ha="right")
+    axis.set_xlim(-0.5, len(names) - 0.5)
+    axis.set_ylabel(metric)
+    if title:
+        axis.set_title(title, fontsize="medium")
+    axis.legend(fontsize="small")
     save_figure(figure, path)

@@ -1,4 +1,4 @@
-"""Probing classifiers on frozen encoder features (thesis_jas_ms_dc.md §9.7; Conneau et al.
+"""Probing classifiers on frozen encoder features (thesis ch. 5; Conneau et al.
 2018, SentEval probing tasks).
 
 Data: SentEval probing files, one example per line ``split<TAB>label<TAB>sentence`` with

@@ -1,7 +1,7 @@
 """The documents' scoring protocols on top of sacreBLEU.
 
-Protocols (spec: mlmha_mlrf.md A.8 table / C.12, thesis_jas_ms_dc.md §6.3 and §12.20,
-mma_multisource.md "Cross-cutting BLEU notes"):
+Protocols (as each paper reports its BLEU: Ampomah et al. 2020, Wang et al. 2018, the
+thesis, Cui et al. 2019 and Libovický et al. 2018):
 
 - ``sacrebleu``: detokenized, case-sensitive sacreBLEU with the 13a tokenizer, the
   equivalent of ``mteval-v13a.pl`` (MLMHA/thesis En-De).
@@ -12,14 +12,18 @@ mma_multisource.md "Cross-cutting BLEU notes"):
 - ``multi-bleu``: tokenized, case-sensitive BLEU as ``multi-bleu.perl`` computes it:
   whitespace tokens, no smoothing (MLMHA/thesis Es-En, Ro/Fr-En).
 - ``multi-bleu-lc``: the same, lowercased (``multi-bleu.perl -lc``: thesis/MLRF De-En,
-  MMA IWSLT14 and Multi30k).
+  MMA IWSLT14 and Multi30k). Like the perl script, which reads bytes and lowercases with
+  perl's ``lc``, only A-Z are lowercased: "Über" and "über" differ.
 - ``chrf``: sacreBLEU's chrF2 on detokenized text.
 
 Each protocol says which fairseq-generate line it reads: ``D`` (detokenized) or ``H``
 (tokenized, after ``--remove-bpe``).
 """
+import string
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence
+
+from sacrebleu.metrics import BLEU, CHRF
 
 from mlmha_fairseq.evaluation.generate_output import read_generate_output, remove_bpe
 from mlmha_fairseq.evaluation.text_io import InputError, check_same_length, read_lines
@@ -27,12 +31,15 @@ from mlmha_fairseq.evaluation.text_io import InputError, check_same_length, read
 METRICS = ("bleu", "chrf")
 HYP_FIELDS = ("D", "H")
 INPUT_FORMATS = ("plain", "generate")
+# multi-bleu.perl -lc lowercases with perl's lc on undecoded bytes: A-Z only.
+ASCII_LOWERCASE = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
 @dataclass(frozen=True)
 class Protocol:
     """How a corpus score is computed: metric, sacreBLEU tokenizer, casing, smoothing,
-    and which fairseq-generate line holds the hypothesis."""
+    and which fairseq-generate line holds the hypothesis. ``ascii_lowercase``: when
+    ``lowercase``, lowercase A-Z only, as ``multi-bleu.perl -lc`` does."""
 
     name: str
     metric: str
@@ -41,6 +48,7 @@ class Protocol:
     smooth_method: str
     hyp_field: str
     description: str
+    ascii_lowercase: bool = False
 
 
 PROTOCOLS = {
@@ -53,9 +61,11 @@ PROTOCOLS = {
         Protocol("sacrebleu-lc", "bleu", "13a", True, "exp", "D",
                  "case-insensitive sacreBLEU 13a (= mteval-v13a.pl -lc), multi-reference; MLRF Zh-En"),
         Protocol("multi-bleu", "bleu", "none", False, "none", "H",
-                 "tokenized case-sensitive BLEU (= multi-bleu.perl); MLMHA/thesis Es-En, Ro/Fr-En"),
+                 "tokenized case-sensitive BLEU (= multi-bleu.perl); MLMHA/thesis Es-En, Ro/Fr-En",
+                 ascii_lowercase=True),
         Protocol("multi-bleu-lc", "bleu", "none", True, "none", "H",
-                 "tokenized lowercased BLEU (= multi-bleu.perl -lc); thesis/MLRF De-En, MMA IWSLT14"),
+                 "tokenized BLEU, A-Z lowercased (= multi-bleu.perl -lc); thesis/MLRF De-En, "
+                 "MMA IWSLT14", ascii_lowercase=True),
         Protocol("chrf", "chrf", "none", False, "none", "D",
                  "sacreBLEU chrF2 on detokenized text"),
     )
@@ -73,14 +83,21 @@ def resolve_protocol(name: str, metric: Optional[str] = None, tokenize: Optional
     return replace(PROTOCOLS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
+class AsciiLowercaseBLEU(BLEU):
+    """sacreBLEU's BLEU lowercasing A-Z only, as ``multi-bleu.perl -lc`` does (sacreBLEU
+    lowercases every script with ``str.lower``); its signature says ``case:lc``."""
+
+    def _preprocess_segment(self, sent: str) -> str:
+        return self.tokenizer(sent.translate(ASCII_LOWERCASE).rstrip())
+
+
 def build_metric(protocol: Protocol):
     """The sacreBLEU metric object implementing ``protocol``."""
-    from sacrebleu.metrics import BLEU, CHRF
-
     if protocol.metric == "chrf":
         return CHRF(lowercase=protocol.lowercase)
     # force=True: tokenized protocols score already tokenized text on purpose.
-    return BLEU(lowercase=protocol.lowercase, tokenize=protocol.tokenize,
+    bleu = AsciiLowercaseBLEU if protocol.lowercase and protocol.ascii_lowercase else BLEU
+    return bleu(lowercase=protocol.lowercase, tokenize=protocol.tokenize,
                 smooth_method=protocol.smooth_method, force=True)
 
 

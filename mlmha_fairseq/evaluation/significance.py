@@ -1,6 +1,6 @@
 """Paired significance tests between a baseline and one or more systems.
 
-Methods (spec: mlmha_mlrf.md A.10, thesis_jas_ms_dc.md §10, mma_multisource.md A.8):
+Methods (as the papers test significance):
 
 - ``thesis``: the thesis protocol, paired bootstrap resampling (Koehn 2004) with
   ``n_samples`` resamples of ``sample_size`` sentence pairs drawn with replacement
@@ -107,7 +107,7 @@ def thesis_bootstrap(baseline: Sequence[str], system: Sequence[str],
                      name: str = "system", n_samples: int = DEFAULT_SAMPLES,
                      sample_size: int = THESIS_SAMPLE_SIZE,
                      seed: int = DEFAULT_SEED) -> Tuple[PairedResult, BootstrapSamples]:
-    """Thesis §10 paired bootstrap: ``n_samples`` test sets of ``sample_size`` pairs drawn
+    """The thesis' paired bootstrap: ``n_samples`` test sets of ``sample_size`` pairs drawn
     with replacement; the better system (on the full test set) wins a resample when its
     score is strictly higher; p = 1 - wins / n_samples.
 
@@ -116,6 +116,11 @@ def thesis_bootstrap(baseline: Sequence[str], system: Sequence[str],
     """
     if sample_size < 1 or n_samples < 1:
         raise InputError("the number of resamples and the sample size must be positive")
+    if sample_size > len(baseline):
+        logger.warning("thesis method: the sample size %d exceeds the test set (%d sentences): "
+                       "resamples larger than the test set understate the score's variance and "
+                       "overstate significance; pass --sample-size %d or less",
+                       sample_size, len(baseline), len(baseline))
     metric = build_metric(protocol)
     base_stats = sentence_statistics(metric, baseline, references)
     sys_stats = sentence_statistics(metric, system, references)

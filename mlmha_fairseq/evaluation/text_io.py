@@ -4,20 +4,29 @@ import json
 import os
 from typing import Dict, List, Sequence, Tuple
 
+import numpy as np
 
-class InputError(ValueError):
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.output_files import atomic_output
+
+
+class InputError(UsageError):
     """A user-facing input problem (missing file, empty file, misaligned files)."""
 
 
 def read_lines(path: str) -> List[str]:
     """Read a UTF-8 text file into a list of lines without trailing newlines.
 
-    Raises :class:`InputError` if the file does not exist or has no lines.
+    Raises :class:`InputError` if the file does not exist, is not UTF-8 or has no lines.
     """
     if not os.path.isfile(path):
         raise InputError(f"file not found: {path}")
-    with open(path, encoding="utf-8") as handle:
-        lines = [line.rstrip("\n") for line in handle]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [line.rstrip("\n") for line in handle]
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); "
+                         "convert it, e.g. with iconv -t UTF-8") from error
     if not lines:
         raise InputError(f"file is empty: {path}")
     return lines
@@ -38,24 +47,34 @@ def check_same_length(named_sequences: Sequence[Tuple[str, Sequence]]) -> int:
     return common
 
 
-def _ensure_parent(path: str) -> None:
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-
-
 def write_csv(path: str, rows: Sequence[Dict]) -> None:
     """Write a list of dicts (same keys, in order) as a CSV file with a header."""
-    _ensure_parent(path)
-    with open(path, "w", encoding="utf-8", newline="") as handle:
+    with atomic_output(path) as temporary, open(temporary, "w", encoding="utf-8", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0].keys()))
         writer.writeheader()
         writer.writerows(rows)
 
 
+def _plain(value):
+    """``json.dump``'s fallback: numpy scalars and arrays (sacreBLEU and the analyses return
+    them) as Python numbers and lists."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def write_json(path: str, payload) -> None:
-    """Write a JSON-serialisable object, UTF-8, indented."""
-    _ensure_parent(path)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, ensure_ascii=False)
-        handle.write("\n")
+    """Write a JSON-serialisable object (numpy values included), UTF-8, indented."""
+    write_text(path, json.dumps(payload, indent=2, ensure_ascii=False, default=_plain) + "\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` as a UTF-8 file."""
+    with atomic_output(path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def write_arrays(path: str, **arrays) -> None:
+    """Write numpy arrays as a compressed ``.npz`` file (``np.savez_compressed``)."""
+    with atomic_output(path) as temporary:
+        np.savez_compressed(temporary, **arrays)

@@ -1,8 +1,8 @@
 """GNMT length penalty (Wu et al. 2016): ``score(Y) = log P(Y|X) / lp(Y)`` with
 ``lp(Y) = ((5 + |Y|) / 6) ** alpha``.
 
-All three documents decode with it (mlmha_mlrf.md A.8 / C.11: alpha 0.6 En-De, 1.1
-IWSLT; thesis_jas_ms_dc.md §6.1; mma_multisource.md M11: alpha 1.0). fairseq's
+The MLMHA paper and the thesis decode with it (alpha 0.6 En-De, 1.1 IWSLT), and so does
+Libovický et al. 2018 (alpha 1.0). fairseq's
 ``--lenpen`` divides by ``|Y| ** lenpen`` instead.
 
 Why re-ranking is exact for fairseq's beam search: in ``SequenceGenerator._generate`` the
@@ -14,7 +14,7 @@ on ``len_penalty``: decoding with ``len_penalty = 0`` (raw sums) and re-ranking 
 the GNMT score gives what fairseq would give with a GNMT ``finalize_hypos``.
 
 Not reproduced: TF-official's beam search also uses the penalty in its early-stopping test,
-and Neural Monkey applies it at every step (mma_multisource.md M11); both can change which
+and Neural Monkey (Libovický et al.'s toolkit) applies it at every step; both can change which
 hypotheses are found. ``|Y|`` counts the final EOS, as fairseq's own ``--lenpen`` does
 (``step + 1`` tokens) and as TF-official's ``i + 1`` does.
 """

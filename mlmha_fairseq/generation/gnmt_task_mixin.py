@@ -10,6 +10,7 @@ from typing import Optional
 
 from fairseq.dataclass import FairseqDataclass
 
+from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.generation.gnmt_length_penalty import GNMTSequenceGenerator
 
 
@@ -34,8 +35,8 @@ class GNMTLengthPenaltyMixin:
             return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                            extra_gen_cls_kwargs=extra_gen_cls_kwargs, **kwargs)
         if seq_gen_cls is not None or getattr(args, "print_alignment", None):
-            raise ValueError("--gnmt-lenpen cannot be combined with --print-alignment or "
-                             "another sequence generator class")
+            raise UsageError("--gnmt-lenpen cannot be combined with --print-alignment or "
+                             "another sequence generator class: drop one of them")
         extra = dict(extra_gen_cls_kwargs or {}, gnmt_alpha=alpha)
         return super().build_generator(models, args, seq_gen_cls=GNMTSequenceGenerator,
                                        extra_gen_cls_kwargs=extra, **kwargs)

@@ -1,4 +1,4 @@
-"""Dual Contextual (DC) module in the slot Transformer (thesis ch. 5; spec §4).
+"""Dual Contextual (DC) module in the slot Transformer (thesis ch. 5).
 
 Fills the encoder and decoder self-attention slots with :class:`DualContextual` in the
 layers that ``--dc-encoder-layers`` / ``--dc-decoder-layers`` name (``none``, ``all``, or
@@ -15,64 +15,52 @@ the presets set the thesis' recommendation, Enc-DC:
 
 The encoder convolution is centred ("same"), the decoder's causal. LayerNorm placement
 follows the layer: post-norm (fairseq's default, the thesis' Eqs. 5.4-5.7) or, with
-``--encoder-normalize-before`` / ``--decoder-normalize-before``, the spec's pre-norm variant
+``--encoder-normalize-before`` / ``--decoder-normalize-before``, the pre-norm variant
 (see :mod:`mlmha_fairseq.modules.dual_contextual`).
 
 Presets: ``dc_transformer_iwslt``, ``dc_transformer_wmt_en_de`` (Table 5.1).
 """
 from fairseq.models import register_model_architecture
-from fairseq.utils import safe_getattr
 
+from ..errors import UsageError
 from ..modules.dual_contextual import DualContextual
 from .layer_selection import ALL_LAYERS, NO_LAYERS, parse_layers
+from .options import Mechanism, Option, Switch, register_mechanism
 from .presets import thesis_base, thesis_small
-from .slots import DECODER_SELF_ATTENTION, ENCODER_SELF_ATTENTION, register_options
+from .slots import DECODER_SELF_ATTENTION, ENCODER_SELF_ATTENTION
 
 DUAL_CONTEXTUAL = "dual-contextual"
-DEFAULT_KERNEL_SIZE = 2  # spec §4.1: the parameter counts of Table 5.2 fit f = 2
+DEFAULT_KERNEL_SIZE = 2  # the parameter counts of thesis Table 5.2 fit f = 2
 
 
-def add_args(parser):
-    """Options of the Dual Contextual module (fairseq passes its model argument group)."""
-    parser.add_argument("--dc-encoder-layers", metavar="LAYERS",
-                        help="encoder layers whose self-attention is the Dual Contextual "
-                             "module: none, all, or 1-based layers/ranges like 1-3 or 1,3,5-6 "
-                             "(Enc-DC: all)")
-    parser.add_argument("--dc-decoder-layers", metavar="LAYERS",
-                        help="decoder layers with the (causal) Dual Contextual module: none, "
-                             "all, or layers/ranges (Dec-DC: all)")
-    parser.add_argument("--dc-kernel-size", type=int, metavar="F",
-                        help=f"width f of the local unit's convolution (default "
-                             f"{DEFAULT_KERNEL_SIZE}, read from the thesis' parameter counts; "
-                             "f in 2..4 was best in its sweep)")
+def _on(args, side: str) -> bool:
+    return (getattr(args, f"dc_{side}_layers", NO_LAYERS) or NO_LAYERS).strip().lower() != NO_LAYERS
 
 
-def set_defaults(args):
-    args.dc_encoder_layers = getattr(args, "dc_encoder_layers", NO_LAYERS)
-    args.dc_decoder_layers = getattr(args, "dc_decoder_layers", NO_LAYERS)
-    args.dc_kernel_size = getattr(args, "dc_kernel_size", DEFAULT_KERNEL_SIZE)
-
-
-register_options(add_args, set_defaults)
-
-
-def _kernel_size(cfg) -> int:
-    kernel_size = safe_getattr(cfg, "dc_kernel_size")
-    if kernel_size is None:
-        return DEFAULT_KERNEL_SIZE
-    if kernel_size < 1:
-        raise ValueError(f"--dc-kernel-size {kernel_size}: the convolution width must be >= 1")
-    return kernel_size
+DUAL_CONTEXTUAL_MODULE = register_mechanism(Mechanism(
+    "the Dual Contextual module",
+    Switch("--dc-encoder-layers or --dc-decoder-layers", lambda args: _on(args, "encoder") or _on(args, "decoder")), (
+        Option("--dc-encoder-layers", NO_LAYERS, "encoder layers whose self-attention is the Dual "
+               "Contextual module: none, all, or 1-based layers/ranges like 1-3 or 1,3,5-6 "
+               "(Enc-DC: all)", argparse=dict(metavar="LAYERS"), is_switch=True),
+        Option("--dc-decoder-layers", NO_LAYERS, "decoder layers with the (causal) Dual Contextual "
+               "module: none, all, or layers/ranges (Dec-DC: all)", argparse=dict(metavar="LAYERS"),
+               is_switch=True),
+        Option("--dc-kernel-size", DEFAULT_KERNEL_SIZE, "width f of the local unit's convolution "
+               f"(default {DEFAULT_KERNEL_SIZE}, read from the thesis' parameter counts; f in 2..4 "
+               "was best in its sweep)", argparse=dict(type=int, metavar="F")),
+    )))
 
 
 def _build(cfg, side: str, layer_idx: int, embed_dim: int):
     """The DC module for ``layer_idx`` of ``side`` ("encoder"/"decoder"), or None."""
-    option = f"--dc-{side}-layers"
-    value = safe_getattr(cfg, f"dc_{side}_layers") or NO_LAYERS
-    if layer_idx not in parse_layers(value, getattr(cfg, side).layers, option, side):
+    stack = getattr(cfg, side)
+    if layer_idx not in parse_layers(getattr(cfg, f"dc_{side}_layers"), stack.layers, f"--dc-{side}-layers", side):
         return None
+    if cfg.dc_kernel_size < 1:
+        raise UsageError(f"--dc-kernel-size {cfg.dc_kernel_size}: the convolution width must be >= 1")
     return DualContextual(
-        embed_dim, getattr(cfg, side).attention_heads, _kernel_size(cfg),
+        embed_dim, stack.attention_heads, cfg.dc_kernel_size,
         causal=side == "decoder", dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
     )
 
@@ -86,7 +74,7 @@ def build_encoder_dual_contextual(cfg, layer_idx, embed_dim):
 def build_decoder_dual_contextual(cfg, layer_idx, embed_dim):
     module = _build(cfg, "decoder", layer_idx, embed_dim)
     if module is not None and cfg.cross_self_attention:
-        raise ValueError("--dc-decoder-layers: the Dual Contextual module is a self-attention "
+        raise UsageError("--dc-decoder-layers: the Dual Contextual module is a self-attention "
                          "and cannot attend to the encoder (--cross-self-attention)")
     return module
 
@@ -94,7 +82,7 @@ def build_decoder_dual_contextual(cfg, layer_idx, embed_dim):
 @register_model_architecture("slot_transformer", "dc_transformer_iwslt")
 def dc_transformer_iwslt(args):
     """Enc-DC on the IWSLT tasks (Table 5.1): d=256, 4 heads, 4+4 layers, FFN 1024 (the
-    table's 512 is read as a typo, errata 9: its baselines are ch. 3's, trained with 1024)."""
+    table's 512 is read as a typo: its baselines are ch. 3's, trained with 1024)."""
     args.dc_encoder_layers = getattr(args, "dc_encoder_layers", ALL_LAYERS)
     thesis_small(args)
 

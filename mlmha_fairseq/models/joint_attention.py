@@ -1,4 +1,5 @@
-"""Joint attention strategies: MLMHA and the layer-aggregation family (seed 000; thesis ch. 3).
+"""Joint attention strategies: MLMHA and the layer-aggregation family (Ampomah et al. 2020;
+thesis ch. 3).
 
 Fills three slots of the slot Transformer:
 
@@ -15,6 +16,7 @@ Presets: ``mlmha_transformer_iwslt``, ``mlmha_transformer_wmt_en_de``,
 ``layer_aggregation_transformer_iwslt``, ``layer_aggregation_transformer_wmt_en_de`` (pre-norm,
 as the authors' code), and each with the suffix ``_post_norm`` (post-norm, as the equations).
 """
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -22,115 +24,122 @@ from torch import Tensor, nn
 
 from fairseq.models import register_model_architecture
 from fairseq.modules import MultiheadAttention
-from fairseq.utils import safe_getattr
 
+from ..errors import UsageError
 from ..modules.layer_aggregation import (
     LAYER_AGGREGATION_CHOICES,
     TransparentCombination,
     build_layer_aggregation,
 )
-from ..modules.multi_layer_attention import MultiLayerMultiheadAttention, parse_variant
+from ..modules.multi_layer_attention import VARIANTS, MultiLayerMultiheadAttention, parse_variant
 from ..modules.source_feature_collector import SourceFeatureCollector
+from .options import Mechanism, Option, Switch, register_mechanism
 from .presets import post_norm, thesis_base, thesis_pre_norm, thesis_small
-from .slots import DECODER_CROSS_ATTENTION, ENCODER_MEMORY, register_options
+from .slots import DECODER_CROSS_ATTENTION, ENCODER_MEMORY
 
 MULTI_LAYER = "multi-layer"
 TRANSPARENT = "transparent"
 NO_AGGREGATION = "none"
 MASK_ZERO, MASK_DROP = "zero", "drop"
-VARIANTS = ("M-00", "M-01", "M-10", "M-11")
 
 TAPS_KEY = "mlmha_taps"  # n x T x B x C, bottom to top
 TRANSPARENT_KEY = "transparent_memories"  # M x T x B x C, one per decoder layer
 
 
-def add_args(parser):
-    """Options of MLMHA and layer aggregation (fairseq passes its model argument group)."""
-    parser.add_argument("--mlmha-variant", choices=VARIANTS,
-                       help="MLMHA with --decoder-cross-attention multi-layer: joint (M-0x) or "
-                            "layer-specific (M-1x) attention weights, concatenated (M-x0) or "
-                            "summed (M-x1) contexts")
-    parser.add_argument("--mlmha-top-n", type=int, metavar="N",
-                       help="number of top encoder layers collected for MLMHA and layer "
-                            "aggregation, 1..encoder layers (default: all)")
-    parser.add_argument("--mlmha-bias", action="store_true",
-                       help="biases on the MLMHA projections (default: bias-free, as the "
-                            "authors' code)")
-    parser.add_argument("--mlmha-share-query", action="store_true",
-                       help="one MLMHA query projection for all n collected layers (default: "
-                            "one per layer, as the paper's parameter counts)")
-    parser.add_argument("--mlmha-share-kv", action="store_true",
-                       help="one MLMHA key and one value projection for all n collected layers "
-                            "(default: one pair per layer, as the paper's parameter counts)")
-    parser.add_argument("--mlmha-mask-encoder-layer", type=int, metavar="L",
-                       help="ablation (inference): remove what encoder layer L (1..L) "
-                            "contributes, e.g. fairseq-generate --model-overrides "
-                            "\"{'mlmha_mask_encoder_layer': 3}\"")
-    parser.add_argument("--mlmha-mask-mode", choices=(MASK_ZERO, MASK_DROP),
-                       help="zero: replace the layer's collected state by zeros (the paper's "
-                            "words); drop: remove its attention logits and context (the "
-                            "bias-free reading; MLMHA only)")
-    parser.add_argument("--layer-aggregation", choices=(NO_AGGREGATION, TRANSPARENT) + LAYER_AGGREGATION_CHOICES,
-                       help="one joint encoder memory for all decoder layers (thesis §2.2; "
-                            "linear-combination = s-agg, iterative-combination = iter-c-agg), "
-                            "or transparent attention (one mixture per decoder layer)")
+def _uses_multi_layer_attention(args) -> bool:
+    return DECODER_CROSS_ATTENTION.selected(args) == MULTI_LAYER
 
 
-def set_defaults(args):
-    args.mlmha_variant = getattr(args, "mlmha_variant", "M-00")
-    args.mlmha_top_n = getattr(args, "mlmha_top_n", None)
-    args.mlmha_bias = getattr(args, "mlmha_bias", False)
-    args.mlmha_share_query = getattr(args, "mlmha_share_query", False)
-    args.mlmha_share_kv = getattr(args, "mlmha_share_kv", False)
-    args.mlmha_mask_encoder_layer = getattr(args, "mlmha_mask_encoder_layer", None)
-    args.mlmha_mask_mode = getattr(args, "mlmha_mask_mode", MASK_ZERO)
-    args.layer_aggregation = getattr(args, "layer_aggregation", NO_AGGREGATION)
+def _aggregates(args) -> bool:
+    return getattr(args, "layer_aggregation", NO_AGGREGATION) in LAYER_AGGREGATION_CHOICES
 
 
-register_options(add_args, set_defaults)
+MLMHA = register_mechanism(Mechanism(
+    "MLMHA", Switch(f"--decoder-cross-attention {MULTI_LAYER}", _uses_multi_layer_attention), (
+        Option("--mlmha-variant", "M-00", "MLMHA: joint (M-0x) or layer-specific (M-1x) attention "
+               "weights, concatenated (M-x0) or summed (M-x1) contexts (Ampomah et al. 2020, "
+               "Table 1)", argparse=dict(choices=VARIANTS)),
+        Option("--mlmha-bias", False, "biases on the MLMHA projections (default: bias-free, as the "
+               "authors' code)", argparse=dict(action="store_true")),
+        Option("--mlmha-share-query", False, "one MLMHA query projection for all n collected "
+               "layers (default: one per layer, as the paper's parameter counts)",
+               argparse=dict(action="store_true")),
+        Option("--mlmha-share-kv", False, "one MLMHA key and one value projection for all n "
+               "collected layers (default: one pair per layer, as the paper's parameter counts)",
+               argparse=dict(action="store_true")),
+    )))
+
+LAYER_AGGREGATION = register_mechanism(Mechanism(
+    "layer aggregation", Switch("--layer-aggregation", lambda args: True), (
+        Option("--layer-aggregation", NO_AGGREGATION,
+               "one joint encoder memory for all decoder layers (thesis §2.2; "
+               "linear-combination = s-agg, iterative-combination = iter-c-agg), or transparent "
+               "attention (Bapna et al. 2018: one mixture per decoder layer)",
+               argparse=dict(choices=(NO_AGGREGATION, TRANSPARENT) + LAYER_AGGREGATION_CHOICES),
+               is_switch=True),
+    )))
+
+_MASKED = Switch("--mlmha-mask-encoder-layer (--mask-encoder-layer)",
+                 lambda args: getattr(args, "mlmha_mask_encoder_layer", None) is not None)
+
+COLLECTED_LAYERS = register_mechanism(Mechanism(
+    "the collected encoder layers of MLMHA and layer aggregation",
+    Switch(f"--decoder-cross-attention {MULTI_LAYER} or --layer-aggregation "
+           f"{'|'.join(LAYER_AGGREGATION_CHOICES)}",
+           lambda args: _uses_multi_layer_attention(args) or _aggregates(args)), (
+        Option("--mlmha-top-n", None, "number n of top encoder layers that MLMHA attends to or "
+               "layer aggregation combines, 1..encoder layers (default: all)",
+               aliases=("--top-encoder-layers",), argparse=dict(type=int, metavar="N"),
+               none_means=lambda args: args.encoder_layers),
+        Option("--mlmha-mask-encoder-layer", None, "ablation (inference) of MLMHA or layer "
+               "aggregation: remove what encoder layer L (1..L) contributes, e.g. fairseq-generate "
+               "--model-overrides \"{'mlmha_mask_encoder_layer': 3}\"",
+               aliases=("--mask-encoder-layer",), argparse=dict(type=int, metavar="L")),
+        Option("--mlmha-mask-mode", MASK_ZERO, "zero: replace the masked layer's collected state "
+               "by zeros (the paper's words); drop: remove its attention logits and context (the "
+               "bias-free reading; MLMHA only)", aliases=("--mask-encoder-layer-mode",),
+               argparse=dict(choices=(MASK_ZERO, MASK_DROP)), needs=_MASKED),
+    )))
 
 
-def _uses_multi_layer_attention(cfg) -> bool:
-    return DECODER_CROSS_ATTENTION.selected(cfg) == MULTI_LAYER
+@dataclass(frozen=True)
+class CollectedLayers:
+    """Which encoder layers MLMHA or layer aggregation collects, and the masked one."""
 
+    num_layers: int  # of the encoder
+    top_n: int
+    masked_layer: Optional[int]  # encoder layer number (1..L), or None
+    mask_mode: str
 
-def _aggregation(cfg) -> str:
-    return safe_getattr(cfg, "layer_aggregation", NO_AGGREGATION)
+    @classmethod
+    def from_cfg(cls, cfg) -> "CollectedLayers":
+        num_layers = cfg.encoder.layers
+        top_n = num_layers if cfg.mlmha_top_n is None else cfg.mlmha_top_n
+        if not 1 <= top_n <= num_layers:
+            raise UsageError(f"--mlmha-top-n {top_n} needs 1 <= n <= {num_layers} (the encoder layers)")
+        layer = cfg.mlmha_mask_encoder_layer
+        first = num_layers - top_n + 1
+        if layer is not None and not first <= layer <= num_layers:
+            raise UsageError(
+                f"--mlmha-mask-encoder-layer {layer}: only encoder layers {first}..{num_layers} "
+                f"are collected (--mlmha-top-n {top_n})"
+            )
+        return cls(num_layers, top_n, layer, cfg.mlmha_mask_mode)
 
+    @property
+    def masked_tap(self) -> Optional[int]:
+        """Tap index (0..n-1) of the masked layer, or None."""
+        return None if self.masked_layer is None else self.masked_layer - (self.num_layers - self.top_n + 1)
 
-def _top_n(cfg) -> int:
-    """n of the Source Feature Collector, validated against the encoder depth."""
-    num_layers = cfg.encoder.layers
-    top_n = safe_getattr(cfg, "mlmha_top_n") or num_layers
-    if not 1 <= top_n <= num_layers:
-        raise ValueError(f"--mlmha-top-n {top_n} needs 1 <= n <= {num_layers} (the encoder layers)")
-    return top_n
-
-
-def _masked_tap(cfg) -> Optional[int]:
-    """Tap index (0..n-1) of --mlmha-mask-encoder-layer, or None."""
-    layer = safe_getattr(cfg, "mlmha_mask_encoder_layer")
-    if layer is None:
-        return None
-    num_layers, top_n = cfg.encoder.layers, _top_n(cfg)
-    first = num_layers - top_n + 1
-    if not first <= layer <= num_layers:
-        raise ValueError(
-            f"--mlmha-mask-encoder-layer {layer}: only encoder layers {first}..{num_layers} "
-            f"are collected (--mlmha-top-n {top_n})"
-        )
-    return layer - first
-
-
-def _build_collector(cfg) -> SourceFeatureCollector:
-    collector = SourceFeatureCollector(_top_n(cfg), cfg.encoder.embed_dim, cfg.encoder.normalize_before)
-    if safe_getattr(cfg, "mlmha_mask_mode", MASK_ZERO) == MASK_ZERO and _masked_tap(cfg) is not None:
-        collector.zeroed_layer = cfg.mlmha_mask_encoder_layer
-    return collector
+    def collector(self, cfg) -> SourceFeatureCollector:
+        zeroed = self.masked_layer if self.mask_mode == MASK_ZERO else None
+        return SourceFeatureCollector(self.top_n, cfg.encoder.embed_dim, cfg.encoder.normalize_before,
+                                      zeroed_layer=zeroed)
 
 
 class CollectedTaps(nn.Module):
-    """Encoder memory for MLMHA: the Source Feature Collector's taps (spec A.3.1)."""
+    """Encoder memory for MLMHA: the Source Feature Collector's taps (Ampomah et al. 2020,
+    §3.1)."""
 
     output_keys = (TAPS_KEY,)
 
@@ -194,23 +203,21 @@ class TransparentCrossAttention(MultiheadAttention):
 @DECODER_CROSS_ATTENTION.register(MULTI_LAYER, selectable=True)
 def build_multi_layer_attention(cfg, layer_idx, embed_dim):
     if cfg.encoder.embed_dim != embed_dim:
-        raise ValueError("--decoder-cross-attention multi-layer needs --encoder-embed-dim == --decoder-embed-dim")
-    joint_weights, concat_contexts = parse_variant(safe_getattr(cfg, "mlmha_variant", "M-00"))
-    attention = MultiLayerMultiheadAttention(
-        embed_dim, cfg.decoder.attention_heads, _top_n(cfg), joint_weights, concat_contexts,
-        dropout=cfg.attention_dropout, bias=safe_getattr(cfg, "mlmha_bias", False),
-        share_query=safe_getattr(cfg, "mlmha_share_query", False),
-        share_kv=safe_getattr(cfg, "mlmha_share_kv", False),
+        raise UsageError("--decoder-cross-attention multi-layer needs --encoder-embed-dim == --decoder-embed-dim")
+    layers = CollectedLayers.from_cfg(cfg)
+    joint_weights, concat_contexts = parse_variant(cfg.mlmha_variant)
+    return MultiLayerMultiheadAttention(
+        embed_dim, cfg.decoder.attention_heads, layers.top_n, joint_weights, concat_contexts,
+        dropout=cfg.attention_dropout, bias=cfg.mlmha_bias,
+        share_query=cfg.mlmha_share_query, share_kv=cfg.mlmha_share_kv,
+        dropped_layer_index=layers.masked_tap if layers.mask_mode == MASK_DROP else None,
+        memory_key=TAPS_KEY,
     )
-    attention.memory_key = TAPS_KEY
-    if safe_getattr(cfg, "mlmha_mask_mode", MASK_ZERO) == MASK_DROP:
-        attention.dropped_layer_index = _masked_tap(cfg)
-    return attention
 
 
 @DECODER_CROSS_ATTENTION.register("transparent attention")
 def build_transparent_cross_attention(cfg, layer_idx, embed_dim):
-    if _aggregation(cfg) != TRANSPARENT:
+    if cfg.layer_aggregation != TRANSPARENT:
         return None
     return TransparentCrossAttention(
         layer_idx, embed_dim, cfg.decoder.attention_heads,
@@ -219,46 +226,46 @@ def build_transparent_cross_attention(cfg, layer_idx, embed_dim):
     )
 
 
-@ENCODER_MEMORY.register("mlmha_taps")
+@ENCODER_MEMORY.register(TAPS_KEY)
 def build_collected_taps(cfg, num_layers):
-    return CollectedTaps(_build_collector(cfg)) if _uses_multi_layer_attention(cfg) else None
+    if not _uses_multi_layer_attention(cfg):
+        return None
+    return CollectedTaps(CollectedLayers.from_cfg(cfg).collector(cfg))
 
 
 @ENCODER_MEMORY.register("layer_aggregation")
 def build_aggregated_memory(cfg, num_layers):
-    name = _aggregation(cfg)
-    if name in (NO_AGGREGATION, TRANSPARENT):
+    if not _aggregates(cfg):
         return None
-    if safe_getattr(cfg, "mlmha_mask_mode", MASK_ZERO) == MASK_DROP and _masked_tap(cfg) is not None:
-        raise ValueError("--mlmha-mask-mode drop applies to MLMHA only; use zero with --layer-aggregation")
+    layers = CollectedLayers.from_cfg(cfg)
+    if layers.mask_mode == MASK_DROP and layers.masked_layer is not None:
+        raise UsageError("--mlmha-mask-mode drop applies to MLMHA only; use zero with --layer-aggregation")
     aggregation = build_layer_aggregation(
-        name, _top_n(cfg), cfg.encoder.embed_dim, cfg.encoder.ffn_embed_dim,
+        cfg.layer_aggregation, layers.top_n, cfg.encoder.embed_dim, cfg.encoder.ffn_embed_dim,
         cfg.dropout, cfg.activation_dropout,
     )
-    return AggregatedMemory(_build_collector(cfg), aggregation)
+    return AggregatedMemory(layers.collector(cfg), aggregation)
 
 
 @ENCODER_MEMORY.register("transparent_attention")
 def build_transparent_memories(cfg, num_layers):
-    if _aggregation(cfg) != TRANSPARENT:
+    if cfg.layer_aggregation != TRANSPARENT:
         return None
     return TransparentMemories(num_layers + 1, cfg.decoder.layers)
 
 
 @register_model_architecture("slot_transformer", "mlmha_transformer_iwslt")
 def mlmha_transformer_iwslt(args):
-    """MLMHA, IWSLT Es-En / En-Vi (spec A.5): n = L = 4, M-00; pre-norm with a LayerNorm
-    per collected layer, as the authors' released code, which most likely produced the
-    published scores."""
+    """MLMHA, IWSLT Es-En / En-Vi (Ampomah et al. 2020, §4.1): n = L = 4, M-00; pre-norm with a LayerNorm
+    per collected layer, as the authors' released code."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
-    args.mlmha_variant = getattr(args, "mlmha_variant", "M-00")
     thesis_pre_norm(args)
     thesis_small(args)
 
 
 @register_model_architecture("slot_transformer", "mlmha_transformer_wmt_en_de")
 def mlmha_transformer_wmt_en_de(args):
-    """MLMHA, WMT'14 En-De (spec A.5): n = L = 6, M-10; pre-norm as ``mlmha_transformer_iwslt``."""
+    """MLMHA, WMT'14 En-De (Ampomah et al. 2020, §4.1): n = L = 6, M-10; pre-norm as ``mlmha_transformer_iwslt``."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
     args.mlmha_variant = getattr(args, "mlmha_variant", "M-10")
     thesis_pre_norm(args)

@@ -4,6 +4,8 @@ inclusive ranges such as ``1,3,5-6``."""
 import re
 from typing import FrozenSet
 
+from ..errors import UsageError
+
 NO_LAYERS, ALL_LAYERS = "none", "all"
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -20,11 +22,11 @@ def parse_layers(value: str, num_layers: int, option: str, stack: str) -> Frozen
     for part in value.split(","):
         match = _RANGE.match(part.strip())
         if match is None:
-            raise ValueError(f"{option} {value!r}: expected none, all, or 1-based layers and "
+            raise UsageError(f"{option} {value!r}: expected none, all, or 1-based layers and "
                              "ranges such as 1-3 or 1,3,5-6")
         first, last = int(match[1]), int(match[2] or match[1])
         if not 1 <= first <= last <= num_layers:
-            raise ValueError(f"{option} {value!r}: {part.strip()} is not a range of {stack} layers "
+            raise UsageError(f"{option} {value!r}: {part.strip()} is not a range of {stack} layers "
                              f"within 1..{num_layers}")
         layers.update(range(first - 1, last))
     return frozenset(layers)

@@ -1,25 +1,25 @@
-"""Encoder-based multi-level supervision, MS-l, and AIF (thesis ch. 4; spec thesis §3).
+"""Encoder-based multi-level supervision, MS-l, and AIF (thesis ch. 4).
 
 Model ``ms_transformer``: the slot Transformer (every slot option still applies) plus
-auxiliary decoders, the "extra decoders" of DESIGN.md:
+auxiliary decoders:
 
 * ``--aux-decoder-layers 1,2``: one *Aux-Decoder l* per listed encoder layer l < L, a full
   decoder stack of the Main-Decoder's shape (layers, d, heads, FFN, norm placement) whose
-  cross-attention memory is the output ``H_e^l`` of encoder layer l (§3.1). They share the
+  cross-attention memory is the output ``H_e^l`` of encoder layer l (thesis Fig. 4.2). They share the
   target embedding, the positional embedding and the output projection with the
-  Main-Decoder: the same Parameter objects (pitfall 9), so each one adds exactly one decoder
+  Main-Decoder: the same Parameter objects, so each one adds exactly one decoder
   stack. Train with the criterion ``multi_decoder_label_smoothed_cross_entropy``
   (Eq. 4.1: ``J = L_m + gamma sum_l L_{a_l}``).
 * ``--aux-fusion``: AIF (Eqs. 4.2-4.3). Every Main-Decoder layer adds
   ``z^f = sum_i f^i W^{a_i}`` right after its masked self-attention, with ``f^i`` the final
   hidden states of Aux-Decoder i (after its final LayerNorm in pre-norm: the features fed
-  to the shared output projection, [choice] spec §3.5(1)). Gradients flow from the
-  Main-Decoder into the auxiliary decoders (no detach, §3.4).
+  to the shared output projection, [choice]). Gradients flow from the
+  Main-Decoder into the auxiliary decoders (no detach, thesis Eq. 4.3).
 * Inference: without AIF only the Main-Decoder runs (the auxiliary decoders are never
   called in incremental decoding; ``python -m mlmha_fairseq.cli.strip_aux_decoders``
   removes them for deployment). With AIF they run incrementally in lock-step on the main
   beam's prefixes; they are submodules of ``model.decoder``, so fairseq's generator
-  reorders their caches with the main beam (pitfall 10). ``--decode-from aux:l`` decodes
+  reorders their caches with the main beam. ``--decode-from aux:l`` decodes
   with Aux-Decoder l alone (thesis Table 4.7); ``--zero-aif`` is the "ind-decoder" of
   §4.5.5 (all ``W^{a}`` = 0, which equals skipping the fusion).
 
@@ -27,12 +27,12 @@ Where the pieces live: the auxiliary decoders are submodules of the Main-Decoder
 (``decoder.aux_decoders.<i>``), so the Main-Decoder keeps fairseq's parameter names and a
 stripped MS-l checkpoint is a plain slot-Transformer state dict; their memories come from
 the encoder memory slot (``encoder_out["aux_memories"]``, collected also at generation time,
-where fairseq calls the encoder without ``return_all_hiddens``, pitfall 1).
+where fairseq calls the encoder without ``return_all_hiddens``).
 
 Readings [choice]: pre-norm encoder states below the top are not normalised in fairseq
-(pitfall 2), so in pre-norm each auxiliary memory passes through its own LayerNorm, as the
-authors' code does for its taps (spec §3.1, §3.5(3)); post-norm states are used as they
-are. The auxiliary decoders are fairseq's standard decoder stacks: the decoder slots
+(only the top one passes the final LayerNorm), so in pre-norm each auxiliary memory
+passes through its own LayerNorm, as the authors' code does for its taps; post-norm
+states are used as they are. The auxiliary decoders are fairseq's standard decoder stacks: the decoder slots
 (self-/cross-attention fillers, output fusion) apply to the Main-Decoder only.
 
 Presets: ``ms_transformer`` (MS-1, base size), ``ms_transformer_iwslt`` (small 4+4, MS-3 +
@@ -40,7 +40,8 @@ AIF) and ``ms_transformer_wmt_en_de`` (base 6+6, MS-1 + AIF), pre-norm as the au
 ``*_post_norm``: the same with post-norm layers.
 """
 import re
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -48,8 +49,8 @@ from torch import Tensor, nn
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import LayerNorm
-from fairseq.utils import safe_getattr
 
+from ..errors import UsageError
 from ..modules.auxiliary_information_fusion import AuxiliaryInformationFusion
 from .presets import post_norm, thesis_base, thesis_pre_norm, thesis_small
 from .slot_transformer import (
@@ -60,92 +61,106 @@ from .slot_transformer import (
     slot_transformer,
     wrap_layer,
 )
+from .options import Mechanism, Option, Switch, register_mechanism
 from .slots import ENCODER_MEMORY
 
 AUX_MEMORIES = "aux_memories"  # K x T x B x C: H_e^l of each auxiliary decoder, in order
 AUX_STATES = "aux_states"  # extra entry while decoding: each aux decoder's (features, extra)
 AUX_OUT = "aux_out"  # extra entry of a full forward: each aux decoder's (logits, extra)
 AUX_LAYERS = "aux_layers"  # extra entry of a full forward: the encoder layer of each aux decoder
+AUX_FEATURES = "aux_features"  # layer extra: [f^1; ...; f^n], T x B x nC, the input of AIF
 NO_AUX = "none"
 MAIN = "main"
 DECODE_FROM_AUX = re.compile(r"aux:(\d+)")
+_AIF = Switch("--aux-fusion", lambda args: bool(getattr(args, "aux_fusion", False)))
+
+
+def _has_aux_decoders(args) -> bool:
+    return str(getattr(args, "aux_decoder_layers", NO_AUX)).strip().lower() != NO_AUX
+
+
+MULTI_LEVEL_SUPERVISION = register_mechanism(Mechanism(
+    "multi-level supervision", Switch("--aux-decoder-layers", _has_aux_decoders), (
+        Option("--aux-decoder-layers", "1", "attach an auxiliary decoder to each of these encoder "
+               "layers (1-based, each < the number of encoder layers; 'none' for none), e.g. 1 "
+               "(MS-1) or 1,2,3 (MS-123)", argparse=dict(metavar="L1,L2,..."), is_switch=True),
+        Option("--aux-fusion", False, "AIF: add the auxiliary decoders' final states to every "
+               "main-decoder layer after its self-attention (one bias-free d x d matrix per layer "
+               "and auxiliary decoder)", argparse=dict(action="store_true"), is_switch=True),
+        Option("--aux-fusion-dropout", 0.0, "dropout on the fused vector z^f (default 0: none, as "
+               "in the thesis)", argparse=dict(type=float, metavar="P"), needs=_AIF),
+        Option("--zero-aif", False, "analysis: the 'ind-decoder', AIF weights taken as zero (thesis "
+               "§4.5.5), e.g. fairseq-generate --model-overrides \"{'zero_aif': True}\"",
+               argparse=dict(action="store_true"), needs=_AIF),
+        Option("--decode-from", MAIN, "inference: produce the output with the main decoder (default) "
+               "or with the auxiliary decoder of encoder layer L alone (thesis Table 4.7), e.g. "
+               "fairseq-generate --model-overrides \"{'decode_from': 'aux:1'}\"",
+               argparse=dict(metavar="main|aux:L")),
+    ), slot_wide=False))
 
 
 def add_args(parser):
     """Options of multi-level supervision (fairseq passes its model argument group)."""
-    parser.add_argument("--aux-decoder-layers", metavar="L1,L2,...",
-                        help="attach an auxiliary decoder to each of these encoder layers "
-                             "(1-based, each < the number of encoder layers; 'none' for "
-                             "none), e.g. 1 (MS-1) or 1,2,3 (MS-123)")
-    parser.add_argument("--aux-fusion", action="store_true",
-                        help="AIF: add the auxiliary decoders' final states to every "
-                             "main-decoder layer after its self-attention (one bias-free "
-                             "d x d matrix per layer and auxiliary decoder)")
+    MULTI_LEVEL_SUPERVISION.add_args(parser)
     parser.add_argument("--no-aux-fusion", dest="aux_fusion", action="store_false",
                         help="no AIF (to switch off a preset's --aux-fusion)")
-    parser.add_argument("--aux-fusion-dropout", type=float, metavar="P",
-                        help="dropout on the fused vector z^f (default 0: none, as in the thesis)")
-    parser.add_argument("--zero-aif", action="store_true",
-                        help="analysis: the 'ind-decoder', AIF weights taken as zero (thesis "
-                             "§4.5.5), e.g. fairseq-generate --model-overrides \"{'zero_aif': True}\"")
-    parser.add_argument("--decode-from", metavar="main|aux:L",
-                        help="inference: produce the output with the main decoder (default) or "
-                             "with the auxiliary decoder of encoder layer L alone (thesis Table "
-                             "4.7), e.g. fairseq-generate --model-overrides \"{'decode_from': 'aux:1'}\"")
-
-
-def set_defaults(args):
-    args.aux_decoder_layers = getattr(args, "aux_decoder_layers", "1")
-    args.aux_fusion = getattr(args, "aux_fusion", False)
-    args.aux_fusion_dropout = getattr(args, "aux_fusion_dropout", 0.0)
-    args.zero_aif = getattr(args, "zero_aif", False)
-    args.decode_from = getattr(args, "decode_from", MAIN)
 
 
 def aux_layers(cfg) -> List[int]:
     """The encoder layers (1-based, ascending) that feed an auxiliary decoder, validated."""
-    spec = safe_getattr(cfg, "aux_decoder_layers")
-    if spec is None or str(spec).strip().lower() in (NO_AUX, ""):
+    spec = getattr(cfg, "aux_decoder_layers", NO_AUX)  # absent: a model without the option
+    if str(spec).strip().lower() == NO_AUX:
         return []
+    if not str(spec).strip():
+        raise UsageError("--aux-decoder-layers '': give the encoder layers of the auxiliary "
+                         f"decoders, e.g. 1,2, or {NO_AUX}")
     num_layers = cfg.encoder.layers
     try:
         layers = [int(token) for token in str(spec).split(",")]
     except ValueError:
-        raise ValueError(f"--aux-decoder-layers {spec!r}: expected comma-separated encoder "
+        raise UsageError(f"--aux-decoder-layers {spec!r}: expected comma-separated encoder "
                          "layer numbers, e.g. 1,2") from None
     if len(set(layers)) != len(layers):
-        raise ValueError(f"--aux-decoder-layers {spec}: a layer is listed twice")
+        raise UsageError(f"--aux-decoder-layers {spec}: a layer is listed twice")
     for layer in layers:
         if not 1 <= layer < num_layers:
-            raise ValueError(f"--aux-decoder-layers {spec}: auxiliary decoders attach to encoder "
+            raise UsageError(f"--aux-decoder-layers {spec}: auxiliary decoders attach to encoder "
                              f"layers 1..{num_layers - 1} (layer {num_layers} feeds the main decoder)")
     return sorted(layers)
 
 
-def _fusion_inputs(cfg) -> int:
-    """Number of auxiliary decoders fused by AIF into each main-decoder layer (0: no AIF)."""
-    if not safe_getattr(cfg, "aux_fusion", False):
-        return 0
-    layers = aux_layers(cfg)
-    if not layers:
-        raise ValueError("--aux-fusion needs auxiliary decoders (--aux-decoder-layers)")
-    return len(layers)
-
-
-def _decode_from(cfg, layers: List[int]) -> Optional[int]:
+def _decode_from(spec: str, layers: List[int]) -> Optional[int]:
     """Index of the auxiliary decoder named by --decode-from aux:L, or None for main."""
-    spec = safe_getattr(cfg, "decode_from") or MAIN
     if spec == MAIN:
         return None
     match = DECODE_FROM_AUX.fullmatch(spec)
     if match is None or int(match.group(1)) not in layers:
         choices = ", ".join([MAIN] + [f"aux:{layer}" for layer in layers])
-        raise ValueError(f"--decode-from {spec}: choose one of {choices}")
+        raise UsageError(f"--decode-from {spec}: choose one of {choices}")
     return layers.index(int(match.group(1)))
 
 
+@dataclass(frozen=True)
+class SupervisionOptions:
+    """The Main-Decoder's view of multi-level supervision, validated once."""
+
+    aux_layers: Tuple[int, ...]  # encoder layer of each auxiliary decoder, ascending
+    fusion: bool  # AIF
+    fusion_dropout: float
+    zero_aif: bool
+    decode_from: Optional[int]  # index of the auxiliary decoder that decodes, None: main
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "SupervisionOptions":
+        layers = aux_layers(cfg)
+        if cfg.aux_fusion and not layers:
+            raise UsageError("--aux-fusion needs auxiliary decoders (--aux-decoder-layers)")
+        return cls(tuple(layers), cfg.aux_fusion, cfg.aux_fusion_dropout, cfg.zero_aif,
+                   _decode_from(cfg.decode_from, layers))
+
+
 class AuxiliaryMemories(nn.Module):
-    """Encoder memory slot: the memory ``H_e^l`` of every auxiliary decoder (spec §3.1),
+    """Encoder memory slot: the memory ``H_e^l`` of every auxiliary decoder (thesis §4.3),
     stacked as ``K x T x B x C`` under ``encoder_out["aux_memories"]``, so that fairseq's
     beam search reorders it with the rest of ``encoder_out``.
 
@@ -180,40 +195,19 @@ def build_aux_memories(cfg, num_layers):
 
 class AIFDecoderLayer(SlotTransformerDecoderLayer):
     """A Main-Decoder layer with AIF: ``h^ <- h^ + z^f`` right after the masked
-    self-attention sublayer (Eq. 4.3; pitfall 15), then cross-attention and FFN as usual.
+    self-attention sublayer (thesis Eq. 4.3), then cross-attention and FFN as usual. In
+    post-norm ``h^`` is the self-attention sublayer's normalised output ``S_d^l``; in
+    pre-norm the residual stream, before the cross-attention's LayerNorm. The decoder hands
+    ``[f^1; ...; f^n]`` (T x B x nC) as the layer extra ``aux_features``; without it (the
+    ind-decoder, ``--zero-aif``) the layer is the plain one."""
 
-    fairseq's layer has no hook between its sublayers, so the addition rides on the two
-    places every forward passes once, right after the self-attention block: post-norm, the
-    output of ``self_attn_layer_norm`` (``S_d^l``); pre-norm, the first residual connection
-    (the residual stream, before ``encoder_attn_layer_norm``). The decoder sets
-    ``aux_features`` (``[f^1; ...; f^n]``, T x B x nC) before each forward; None: no fusion.
-    """
-
-    def __init__(self, cfg, layer_idx: int, num_aux: int, no_encoder_attn: bool = False):
+    def __init__(self, cfg, layer_idx: int, num_aux: int, dropout: float, no_encoder_attn: bool = False):
         super().__init__(cfg, layer_idx, no_encoder_attn=no_encoder_attn)
-        dropout = safe_getattr(cfg, "aux_fusion_dropout", 0.0) or 0.0
         self.aux_fusion = AuxiliaryInformationFusion(self.embed_dim, num_aux, dropout)
-        self.aux_features: Optional[Tensor] = None
-        self._fusion_pending = False
-        if not self.normalize_before:
-            self.self_attn_layer_norm.register_forward_hook(self._fuse_after_layer_norm)
 
-    def forward(self, x, *args, **kwargs):
-        self._fusion_pending = self.aux_features is not None
-        return super().forward(x, *args, **kwargs)
-
-    def residual_connection(self, x, residual):
-        x = super().residual_connection(x, residual)
-        if self.normalize_before and self._fusion_pending:  # first call: after self-attention
-            x = self._fuse(x)
-        return x
-
-    def _fuse_after_layer_norm(self, _module, _inputs, output):
-        return self._fuse(output) if self._fusion_pending else None
-
-    def _fuse(self, x: Tensor) -> Tensor:
-        self._fusion_pending = False
-        return x + self.aux_fusion(self.aux_features)
+    def after_self_attention(self, x, extras: Dict[str, Tensor]):
+        features = extras.get(AUX_FEATURES)
+        return x if features is None else x + self.aux_fusion(features)
 
 
 class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
@@ -227,36 +221,35 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
     """
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
+        self.options = SupervisionOptions.from_cfg(cfg)  # read by build_decoder_layer in super().__init__
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
-        self.aux_layers = aux_layers(cfg)
-        self._check_compatible(cfg, no_encoder_attn)
+        self.aux_layers = list(self.options.aux_layers)
+        self._check_compatible(no_encoder_attn)
         self.aux_decoders = nn.ModuleList(
             self._build_aux_decoder(cfg, dictionary, embed_tokens) for _ in self.aux_layers
         )
-        self.aux_fusion = _fusion_inputs(cfg) > 0
-        self.zero_aif = bool(safe_getattr(cfg, "zero_aif", False))
-        self.decode_from = _decode_from(cfg, self.aux_layers)
+        self.aux_fusion = self.options.fusion
+        self.zero_aif = self.options.zero_aif
+        self.decode_from = self.options.decode_from
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        num_aux = _fusion_inputs(cfg)
-        if not num_aux:
+        if not self.options.fusion:
             return super().build_decoder_layer(cfg, no_encoder_attn)
-        layer = AIFDecoderLayer(cfg, next_layer_index(self), num_aux, no_encoder_attn)
+        layer = AIFDecoderLayer(cfg, next_layer_index(self), len(self.options.aux_layers),
+                                self.options.fusion_dropout, no_encoder_attn)
         return wrap_layer(layer, cfg)
 
-    def _check_compatible(self, cfg, no_encoder_attn: bool):
-        if safe_getattr(cfg, "zero_aif", False) and not _fusion_inputs(cfg):
-            raise ValueError("--zero-aif needs --aux-fusion")
+    def _check_compatible(self, no_encoder_attn: bool):
         if not self.aux_layers:
             return
         if no_encoder_attn:
-            raise ValueError("auxiliary decoders attend to encoder layers: they cannot be "
+            raise UsageError("auxiliary decoders attend to encoder layers: they cannot be "
                              "used with --no-cross-attention")
         if self.adaptive_softmax is not None:
-            raise ValueError("auxiliary decoders share the output projection, which "
+            raise UsageError("auxiliary decoders share the output projection, which "
                              "--adaptive-softmax-cutoff replaces: use a plain softmax")
-        if _fusion_inputs(cfg) and self.output_embed_dim != self.embed_dim:
-            raise ValueError("--aux-fusion needs --decoder-output-dim == --decoder-embed-dim")
+        if self.options.fusion and self.output_embed_dim != self.embed_dim:
+            raise UsageError("--aux-fusion needs --decoder-output-dim == --decoder-embed-dim")
 
     def _build_aux_decoder(self, cfg, dictionary, embed_tokens) -> TransformerDecoderBase:
         """A decoder stack of the Main-Decoder's shape sharing its embeddings and output
@@ -314,14 +307,13 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
                                      incremental_state)
                 for index, aux in enumerate(self.aux_decoders)
             ]
-        if self.aux_fusion:
+        layer_extras = {}
+        if self.fuses:
             # F^a = [f^1; ...; f^n]: each aux decoder's B x T x C features -> T x B x nC
-            fused = torch.cat([f for f, _ in aux_states], dim=-1).transpose(0, 1) if self.fuses else None
-            for layer in self.layers:
-                layer.aux_features = fused
+            layer_extras[AUX_FEATURES] = torch.cat([f for f, _ in aux_states], dim=-1).transpose(0, 1)
         x, extra = super().extract_features(
             prev_output_tokens, encoder_out, incremental_state, full_context_alignment,
-            alignment_layer, alignment_heads,
+            alignment_layer, alignment_heads, layer_extras=layer_extras,
         )
         extra[AUX_STATES] = aux_states
         return x, extra
@@ -341,17 +333,15 @@ class MultiLevelSupervisionModel(SlotTransformerModel):
         add_args(parser)
 
     @classmethod
-    def build_model(cls, args, task):
-        ms_transformer(args)  # complete options of checkpoints written by older versions
-        return super().build_model(args, task)
-
+    def complete_options(cls, args):
+        ms_transformer(args)
 
 
 @register_model_architecture("ms_transformer", "ms_transformer")
 def ms_transformer(args):
     """MS-1 without AIF (the thesis' recommendation without AIF: one auxiliary decoder on a
     low layer, ch. 6) on fairseq's base Transformer."""
-    set_defaults(args)
+    MULTI_LEVEL_SUPERVISION.set_defaults(args)
     slot_transformer(args)
 
 
@@ -373,8 +363,7 @@ def ms_transformer_wmt_en_de(args):
     (Table 4.4, 29.32). Pre-norm, as ``ms_transformer_iwslt``."""
     thesis_pre_norm(args)
     thesis_base(args)
-    args.aux_decoder_layers = getattr(args, "aux_decoder_layers", "1")
-    args.aux_fusion = getattr(args, "aux_fusion", True)
+    args.aux_fusion = getattr(args, "aux_fusion", True)  # on MS-1, the option's default
     ms_transformer(args)
 
 

@@ -1,4 +1,4 @@
-"""Multi-layer Representation Fusion, MLRF (Wang et al., COLING 2018; seed 001, spec B).
+"""Multi-layer Representation Fusion, MLRF (Wang et al., COLING 2018).
 
 Fills two slots of the slot Transformer with a fusion of all layer outputs
 (:mod:`mlmha_fairseq.modules.representation_fusion`: AVG, FNN, SA):
@@ -10,7 +10,7 @@ Fills two slots of the slot Transformer with a fusion of all layer outputs
 * both (Both-*, e.g. Both-FNN-SA = FNN on the encoder, SA on the decoder).
 
 By default K = L + 1 states are fused, the embedding output ("layer 0") included
-(spec B.3: only this reading gives the paper's parameter counts); ``--mlrf-no-embedding-layer``
+(only this reading gives the paper's parameter counts, Table 2); ``--mlrf-no-embedding-layer``
 fuses layers 1..L (Table 4, "Word Emb."). FNN and SA add a learned layer embedding
 (``--mlrf-no-layer-embedding``: Table 4, "Layer Emb."); one table, indexed by the layer
 number, is shared by the encoder and the decoder (§3.2), tied by a model hook after both
@@ -19,15 +19,18 @@ sides are built.
 Presets: ``mlrf_transformer_iwslt_de_en`` (Both-FNN-SA, 4 hops) and
 ``mlrf_transformer_nist`` (Dec-SA, 4 hops, independent W1).
 """
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
 
 from fairseq.models import register_model_architecture
-from fairseq.utils import get_available_activation_fns, safe_getattr
+from fairseq.utils import get_available_activation_fns
+
+from ..errors import UsageError
 
 from ..modules.representation_fusion import (
+    AVG,
     FNN,
     FUSION_FUNCTIONS,
     SA,
@@ -35,8 +38,10 @@ from ..modules.representation_fusion import (
     build_fusion,
     build_layer_embedding,
 )
+from .presets import set_sizes
 from .slot_transformer import slot_transformer
-from .slots import DECODER_OUTPUT, ENCODER_MEMORY, register_model_hook, register_options
+from .options import Mechanism, Option, Switch, register_mechanism
+from .slots import DECODER_OUTPUT, ENCODER_MEMORY, register_model_hook
 
 NONE = "none"
 ENCODER, DECODER = "encoder", "decoder"
@@ -47,63 +52,55 @@ FUSED_OUTPUT = {ENCODER: "the memory every decoder layer attends to (Enc-*)",
                 DECODER: "the input of the output projection (Dec-*)"}
 
 
-def add_args(parser):
-    """Options of MLRF (fairseq passes its model argument group)."""
-    for side, replaces in FUSED_OUTPUT.items():
-        parser.add_argument(f"--mlrf-{side}-fusion", choices=(NONE,) + FUSION_FUNCTIONS,
-                            help=f"fuse all {side} layer outputs (embedding included) into "
-                                 f"{replaces}: avg (average pooling), fnn (one-hidden-layer "
-                                 "FNN), sa (multi-hop self-attention over layers, then an FNN)")
-    parser.add_argument("--mlrf-hops", type=int, metavar="N",
-                        help=f"SA fusion: number of attention hops n_hop (default {DEFAULTS.hops})")
-    parser.add_argument("--mlrf-attention-dim", type=int, metavar="D_A",
-                        help=f"SA fusion: inner size d_a of W1 (default {DEFAULTS.attention_dim})")
-    parser.add_argument("--mlrf-ffn-dim", type=int, metavar="D_F",
-                        help=f"FNN and SA fusion: hidden size d_f (default {DEFAULTS.ffn_dim})")
-    parser.add_argument("--mlrf-indep-w1", action="store_true",
-                        help="SA fusion: one W1 per layer (the paper's '+ indep. W1')")
-    parser.add_argument("--mlrf-no-embedding-layer", action="store_true",
-                        help="fuse layers 1..L only, without the embedding output (Table 4 "
-                             "'Word Emb.' ablation)")
-    parser.add_argument("--mlrf-no-layer-embedding", action="store_true",
-                        help="FNN and SA fusion without the learned layer embedding (Table 4 "
-                             "'Layer Emb.' ablation)")
-    parser.add_argument("--mlrf-attention-activation", choices=get_available_activation_fns(),
-                        help=f"SA fusion: sigma of Eq. 5 (default {DEFAULTS.attention_activation})")
-    parser.add_argument("--mlrf-ffn-activation", choices=get_available_activation_fns(),
-                        help=f"FNN and SA fusion: activation of the hidden layer (default "
-                             f"{DEFAULTS.ffn_activation})")
-    parser.add_argument("--mlrf-attention-bias", action="store_true",
-                        help="SA fusion: biases on W1 and W2 (default: bias-free)")
-    parser.add_argument("--mlrf-fusion-dropout", type=float, metavar="P",
-                        help=f"dropout on the fusion FNN's hidden layer (default {DEFAULTS.dropout})")
-    parser.add_argument("--mlrf-no-avg-layernorm", action="store_true",
-                        help="AVG fusion without the LayerNorm after it")
+def _function(args, side: str) -> str:
+    return getattr(args, f"mlrf_{side}_fusion", NONE) or NONE
 
 
-def set_defaults(args):
-    args.mlrf_encoder_fusion = getattr(args, "mlrf_encoder_fusion", NONE)
-    args.mlrf_decoder_fusion = getattr(args, "mlrf_decoder_fusion", NONE)
-    args.mlrf_hops = getattr(args, "mlrf_hops", DEFAULTS.hops)
-    args.mlrf_attention_dim = getattr(args, "mlrf_attention_dim", DEFAULTS.attention_dim)
-    args.mlrf_ffn_dim = getattr(args, "mlrf_ffn_dim", DEFAULTS.ffn_dim)
-    args.mlrf_indep_w1 = getattr(args, "mlrf_indep_w1", DEFAULTS.independent_w1)
-    args.mlrf_no_embedding_layer = getattr(args, "mlrf_no_embedding_layer", False)
-    args.mlrf_no_layer_embedding = getattr(args, "mlrf_no_layer_embedding", False)
-    args.mlrf_attention_activation = getattr(args, "mlrf_attention_activation",
-                                             DEFAULTS.attention_activation)
-    args.mlrf_ffn_activation = getattr(args, "mlrf_ffn_activation", DEFAULTS.ffn_activation)
-    args.mlrf_attention_bias = getattr(args, "mlrf_attention_bias", DEFAULTS.attention_bias)
-    args.mlrf_fusion_dropout = getattr(args, "mlrf_fusion_dropout", DEFAULTS.dropout)
-    args.mlrf_no_avg_layernorm = getattr(args, "mlrf_no_avg_layernorm",
-                                         not DEFAULTS.average_layer_norm)
+def _fuses_with(*functions: str) -> Callable[[Any], bool]:
+    return lambda args: any(_function(args, side) in functions for side in (ENCODER, DECODER))
 
 
-register_options(add_args, set_defaults)
+def _needs(*functions: str) -> Switch:
+    names = "/".join(f.upper() for f in functions)
+    sides = " or ".join(f"--mlrf-{side}-fusion {'|'.join(functions)}" for side in (ENCODER, DECODER))
+    return Switch(f"{names} fusion ({sides})", _fuses_with(*functions))
 
 
-def _function(cfg, side: str) -> str:
-    return safe_getattr(cfg, f"mlrf_{side}_fusion") or NONE
+_SA, _FNN_OR_SA = _needs(SA), _needs(FNN, SA)
+
+MLRF = register_mechanism(Mechanism(
+    "MLRF", _needs(*FUSION_FUNCTIONS), (
+        *(Option(f"--mlrf-{side}-fusion", NONE, f"fuse all {side} layer outputs (embedding included) "
+                 f"into {replaces}: avg (average pooling), fnn (one-hidden-layer FNN), sa "
+                 "(multi-hop self-attention over layers, then an FNN)",
+                 argparse=dict(choices=(NONE,) + FUSION_FUNCTIONS), is_switch=True)
+          for side, replaces in FUSED_OUTPUT.items()),
+        Option("--mlrf-hops", DEFAULTS.hops, f"SA fusion: number of attention hops n_hop (default "
+               f"{DEFAULTS.hops})", argparse=dict(type=int, metavar="N"), needs=_SA),
+        Option("--mlrf-attention-dim", DEFAULTS.attention_dim, f"SA fusion: inner size d_a of W1 "
+               f"(default {DEFAULTS.attention_dim})", argparse=dict(type=int, metavar="D_A"), needs=_SA),
+        Option("--mlrf-ffn-dim", DEFAULTS.ffn_dim, f"FNN and SA fusion: hidden size d_f (default "
+               f"{DEFAULTS.ffn_dim})", argparse=dict(type=int, metavar="D_F"), needs=_FNN_OR_SA),
+        Option("--mlrf-indep-w1", DEFAULTS.independent_w1, "SA fusion: one W1 per layer (the paper's "
+               "'+ indep. W1')", argparse=dict(action="store_true"), needs=_SA),
+        Option("--mlrf-no-embedding-layer", False, "fuse layers 1..L only, without the embedding "
+               "output (Table 4 'Word Emb.' ablation)", argparse=dict(action="store_true")),
+        Option("--mlrf-no-layer-embedding", False, "FNN and SA fusion without the learned layer "
+               "embedding (Table 4 'Layer Emb.' ablation)", argparse=dict(action="store_true"),
+               needs=_FNN_OR_SA),
+        Option("--mlrf-attention-activation", DEFAULTS.attention_activation, "SA fusion: sigma of "
+               f"Eq. 5 (default {DEFAULTS.attention_activation})",
+               argparse=dict(choices=get_available_activation_fns()), needs=_SA),
+        Option("--mlrf-ffn-activation", DEFAULTS.ffn_activation, "FNN and SA fusion: activation of "
+               f"the hidden layer (default {DEFAULTS.ffn_activation})",
+               argparse=dict(choices=get_available_activation_fns()), needs=_FNN_OR_SA),
+        Option("--mlrf-attention-bias", DEFAULTS.attention_bias, "SA fusion: biases on W1 and W2 "
+               "(default: bias-free)", argparse=dict(action="store_true"), needs=_SA),
+        Option("--mlrf-fusion-dropout", DEFAULTS.dropout, "dropout on the fusion FNN's hidden layer "
+               f"(default {DEFAULTS.dropout})", argparse=dict(type=float, metavar="P"), needs=_FNN_OR_SA),
+        Option("--mlrf-no-avg-layernorm", not DEFAULTS.average_layer_norm, "AVG fusion without the "
+               "LayerNorm after it", argparse=dict(action="store_true"), needs=_needs(AVG)),
+    )))
 
 
 def _num_layers(cfg, side: str) -> int:
@@ -115,37 +112,30 @@ def _embed_dim(cfg, side: str) -> int:
 
 
 def _uses_layer_embedding(cfg, side: str) -> bool:
-    """FNN and SA add the layer embedding unless --mlrf-no-layer-embedding (spec B.4)."""
-    return _function(cfg, side) in (FNN, SA) and not safe_getattr(cfg, "mlrf_no_layer_embedding", False)
-
-
-def _option(cfg, name: str, default):
-    value = safe_getattr(cfg, name)
-    return default if value is None else value
+    """FNN and SA add the layer embedding unless --mlrf-no-layer-embedding (Wang et al.
+    2018, Eq. 4)."""
+    return _function(cfg, side) in (FNN, SA) and not cfg.mlrf_no_layer_embedding
 
 
 def _fusion_options(cfg) -> FusionOptions:
     """The fusion hyper-parameters of ``cfg``, validated."""
     options = FusionOptions(
-        hops=_option(cfg, "mlrf_hops", DEFAULTS.hops),
-        attention_dim=_option(cfg, "mlrf_attention_dim", DEFAULTS.attention_dim),
-        ffn_dim=_option(cfg, "mlrf_ffn_dim", DEFAULTS.ffn_dim),
-        attention_activation=_option(cfg, "mlrf_attention_activation", DEFAULTS.attention_activation),
-        ffn_activation=_option(cfg, "mlrf_ffn_activation", DEFAULTS.ffn_activation),
-        independent_w1=bool(safe_getattr(cfg, "mlrf_indep_w1", False)),
-        attention_bias=bool(safe_getattr(cfg, "mlrf_attention_bias", False)),
-        dropout=_option(cfg, "mlrf_fusion_dropout", DEFAULTS.dropout),
-        average_layer_norm=not safe_getattr(cfg, "mlrf_no_avg_layernorm", False),
+        hops=cfg.mlrf_hops,
+        attention_dim=cfg.mlrf_attention_dim,
+        ffn_dim=cfg.mlrf_ffn_dim,
+        attention_activation=cfg.mlrf_attention_activation,
+        ffn_activation=cfg.mlrf_ffn_activation,
+        independent_w1=cfg.mlrf_indep_w1,
+        attention_bias=cfg.mlrf_attention_bias,
+        dropout=cfg.mlrf_fusion_dropout,
+        average_layer_norm=not cfg.mlrf_no_avg_layernorm,
     )
     for flag, value in (("--mlrf-hops", options.hops), ("--mlrf-attention-dim", options.attention_dim),
                         ("--mlrf-ffn-dim", options.ffn_dim)):
         if value < 1:
-            raise ValueError(f"{flag} {value} must be >= 1")
+            raise UsageError(f"{flag} {value} must be >= 1")
     if not 0.0 <= options.dropout < 1.0:
-        raise ValueError(f"--mlrf-fusion-dropout {options.dropout} must be in [0, 1)")
-    if options.independent_w1 and SA not in (_function(cfg, ENCODER), _function(cfg, DECODER)):
-        raise ValueError("--mlrf-indep-w1 needs SA fusion (--mlrf-encoder-fusion sa or "
-                         "--mlrf-decoder-fusion sa)")
+        raise UsageError(f"--mlrf-fusion-dropout {options.dropout} must be in [0, 1)")
     return options
 
 
@@ -156,10 +146,10 @@ def _first_fused_layer(cfg) -> int:
 
 def _layer_embedding_rows(cfg) -> int:
     """Rows of the shared table: one per fused layer number, first..max(L), over the sides
-    that use it (spec C.10); both sides must then have the same width."""
+    that use it; both sides must then have the same width."""
     sides = [side for side in (ENCODER, DECODER) if _uses_layer_embedding(cfg, side)]
     if len({_embed_dim(cfg, side) for side in sides}) > 1:
-        raise ValueError("the MLRF layer embedding is shared by encoder and decoder: it needs "
+        raise UsageError("the MLRF layer embedding is shared by encoder and decoder: it needs "
                          "--encoder-embed-dim == --decoder-embed-dim (or --mlrf-no-layer-embedding)")
     return 1 + max(_num_layers(cfg, side) for side in sides) - _first_fused_layer(cfg)
 
@@ -205,7 +195,7 @@ class LayerFusion(nn.Module):
 class FusedEncoderMemory(LayerFusion):
     """Enc-*: ``h^ = phi(H)`` replaces the top encoder layer for every decoder layer.
 
-    [choice] (spec C.4) The top state is fairseq's ``encoder_out``: in pre-norm it is
+    [choice] The top state is fairseq's ``encoder_out``: in pre-norm it is
     normalised by the encoder's final LayerNorm, as every decoder memory of this package,
     while fairseq's lower states are not; in post-norm (the paper) all states are the
     layers' own normalised outputs, so nothing changes.
@@ -232,7 +222,7 @@ def _build_layer_fusion(wrapper, cfg, side: str, num_layers: int) -> Optional[La
     function = _function(cfg, side)
     if function == NONE:
         return None
-    include_embedding_layer = not safe_getattr(cfg, "mlrf_no_embedding_layer", False)
+    include_embedding_layer = not cfg.mlrf_no_embedding_layer
     num_states = num_layers + int(include_embedding_layer)  # K
     embed_dim = _embed_dim(cfg, side)
     fusion = build_fusion(function, num_states, embed_dim, _fusion_options(cfg))
@@ -253,12 +243,12 @@ def build_fused_decoder_output(cfg, num_layers):
 
 
 @register_model_hook
-def share_layer_embedding(model: nn.Module):
-    """One layer-embedding table for the encoder and the decoder (§3.2, "for simple
-    implementation"): the decoder's fusion uses the encoder's table. The state dict keeps
-    both keys (the same tensor), ``model.parameters()`` yields it once."""
-    memory = model.encoder.memories[MLRF_FUSION] if MLRF_FUSION in model.encoder.memories else None
-    output = getattr(model.decoder, "output_fusion", None)
+def share_layer_embedding(encoder: nn.Module, decoder: nn.Module):
+    """One layer-embedding table for the encoder and the decoder (Wang et al. 2018, §3.2,
+    "for simple implementation"): the decoder's fusion uses the encoder's table. The state
+    dict keeps both keys (the same tensor), ``model.parameters()`` yields it once."""
+    memory = encoder.memories[MLRF_FUSION] if MLRF_FUSION in encoder.memories else None
+    output = decoder.output_fusion
     if not (isinstance(memory, LayerFusion) and isinstance(output, LayerFusion)):
         return
     if memory.layer_embedding is not None and output.layer_embedding is not None:
@@ -267,7 +257,7 @@ def share_layer_embedding(model: nn.Module):
 
 def _mlrf_settings(args):
     """Paper §4.2: post-norm, residual dropout 0.1, separate source and target vocabularies
-    with an untied output matrix (spec C.10: no --share-all-embeddings)."""
+    with an untied output matrix (no --share-all-embeddings)."""
     args.dropout = getattr(args, "dropout", 0.1)
     args.share_all_embeddings = getattr(args, "share_all_embeddings", False)
     args.share_decoder_input_output_embed = getattr(args, "share_decoder_input_output_embed", False)
@@ -278,14 +268,7 @@ def _mlrf_settings(args):
 def mlrf_transformer_iwslt_de_en(args):
     """IWSLT'14 De-En (§4.2): d=256, FFN 1024, 3+3 layers, 4 heads [choice: not stated];
     the best system, Both-FNN-SA (nhop = 4), d_a 1024, d_f 512 (Table 2)."""
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
-    args.encoder_layers = getattr(args, "encoder_layers", 3)
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
-    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
-    args.decoder_layers = getattr(args, "decoder_layers", 3)
+    set_sizes(args, embed_dim=256, heads=4, ffn=1024, encoder_layers=3, decoder_layers=3)
     args.mlrf_encoder_fusion = getattr(args, "mlrf_encoder_fusion", FNN)
     args.mlrf_decoder_fusion = getattr(args, "mlrf_decoder_fusion", SA)
     _mlrf_settings(args)

@@ -19,9 +19,15 @@ What the slots add to fairseq's data flow:
   (``memory_key``, default ``"encoder_out"``); the decoder hands that entry to every layer
   in place of the top encoder layer, so fairseq's layer loop runs unchanged.
 * A decoder-output module fuses the decoder's layer outputs before the final LayerNorm.
-"""
-from typing import Dict, List, Optional
+* The decoder layer runs in four overridable stages (:class:`SlotTransformerDecoderLayer`);
+  per-call inputs of a mechanism reach them through the layer call (:class:`LayerInput`).
 
+Every slot model is built by :meth:`SlotTransformerModel.build_model`; see
+``docs/architecture.md``.
+"""
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import torch
 from torch import Tensor, nn
 
 from fairseq.distributed import fsdp_wrap
@@ -38,7 +44,11 @@ from fairseq.modules.transformer_layer import (
     TransformerDecoderLayerBase,
     TransformerEncoderLayerBase,
 )
+from fairseq.utils import safe_getattr
 
+from ..errors import UsageError
+
+from .options import check_options
 from .slots import (
     DECODER_CROSS_ATTENTION,
     DECODER_OUTPUT,
@@ -83,8 +93,23 @@ class SlotTransformerEncoderLayer(TransformerEncoderLayerBase):
         return module if module is not None else super().build_self_attention(embed_dim, cfg)
 
 
+class LayerInput(NamedTuple):
+    """What the slot decoder hands each layer in place of fairseq's ``encoder_out`` tensor
+    when mechanisms have per-call inputs for the layers: the memory the cross-attention
+    attends to, and the named extras (e.g. AIF's auxiliary features). fairseq's layer loop
+    passes it on unchanged, so the extras reach the layer through its call."""
+
+    memory: Any
+    extras: Dict[str, Tensor]
+
+
 class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
-    """fairseq's decoder layer whose self- and cross-attention come from their slots."""
+    """fairseq's decoder layer in four stages, each a method a mechanism may override:
+    :meth:`self_attention_stage` (masked self-attention with its residual and LayerNorm),
+    :meth:`after_self_attention` (identity; AIF adds its fused features there),
+    :meth:`cross_attention_stage` and :meth:`feed_forward_stage`. Same submodules, parameter
+    names and numbers as fairseq's ``TransformerDecoderLayerBase`` (pre- and post-norm,
+    ``tests/test_slot_transformer.py``); self- and cross-attention come from their slots."""
 
     def __init__(self, cfg, layer_idx: int, no_encoder_attn: bool = False):
         self.layer_idx = layer_idx  # read by the build_* methods inside super().__init__
@@ -102,12 +127,127 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         module = DECODER_CROSS_ATTENTION.build(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)
         return module if module is not None else super().build_encoder_attention(embed_dim, cfg)
 
+    def forward(
+        self,
+        x,
+        encoder_out=None,
+        encoder_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        prev_self_attn_state: Optional[List[Tensor]] = None,
+        prev_attn_state: Optional[List[Tensor]] = None,
+        self_attn_mask: Optional[Tensor] = None,
+        self_attn_padding_mask: Optional[Tensor] = None,
+        need_attn: bool = False,
+        need_head_weights: bool = False,
+    ):
+        """fairseq's layer interface; ``encoder_out`` may be a :class:`LayerInput`."""
+        extras: Dict[str, Tensor] = {}
+        if isinstance(encoder_out, LayerInput):
+            encoder_out, extras = encoder_out
+        x = self.self_attention_stage(
+            x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
+            self_attn_mask, self_attn_padding_mask,
+        )
+        x = self.after_self_attention(x, extras)
+        attn = None
+        if self.encoder_attn is not None and encoder_out is not None:
+            x, attn = self.cross_attention_stage(
+                x, encoder_out, encoder_padding_mask, incremental_state, prev_attn_state,
+                need_attn or need_head_weights, need_head_weights,
+            )
+        return self.feed_forward_stage(x), attn, None
+
+    def self_attention_stage(self, x, encoder_out, encoder_padding_mask, incremental_state,
+                             prev_self_attn_state, self_attn_mask, self_attn_padding_mask):
+        """Masked self-attention sublayer (with ``--cross-self-attention``: over the encoder
+        output and the prefix), as fairseq computes it."""
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        if prev_self_attn_state is not None:
+            self.self_attn._set_input_buffer(incremental_state, _saved_state(prev_self_attn_state))
+        buffer = self.self_attn._get_input_buffer(incremental_state)
+        y = x
+        if self.cross_self_attention and not (
+            incremental_state is not None and buffer is not None and "prev_key" in buffer
+        ):
+            if self_attn_mask is not None:
+                self_attn_mask = torch.cat(
+                    (x.new_zeros(x.size(0), encoder_out.size(0)), self_attn_mask), dim=1
+                )
+            if self_attn_padding_mask is not None:
+                if encoder_padding_mask is None:
+                    encoder_padding_mask = self_attn_padding_mask.new_zeros(
+                        encoder_out.size(1), encoder_out.size(0)
+                    )
+                self_attn_padding_mask = torch.cat((encoder_padding_mask, self_attn_padding_mask), dim=1)
+            y = torch.cat((encoder_out, x), dim=0)
+        x, _ = self.self_attn(
+            query=x, key=y, value=y, key_padding_mask=self_attn_padding_mask,
+            incremental_state=incremental_state, need_weights=False, attn_mask=self_attn_mask,
+        )
+        if self.c_attn is not None:  # --scale-heads
+            tgt_len, bsz = x.size(0), x.size(1)
+            x = torch.einsum("tbhd,h->tbhd", x.view(tgt_len, bsz, self.nh, self.head_dim), self.c_attn)
+            x = x.reshape(tgt_len, bsz, self.embed_dim)
+        if self.attn_ln is not None:  # --scale-attn
+            x = self.attn_ln(x)
+        x = self.residual_connection(self.dropout_module(x), residual)
+        return x if self.normalize_before else self.self_attn_layer_norm(x)
+
+    def after_self_attention(self, x, extras: Dict[str, Tensor]):
+        """The step between self- and cross-attention: nothing in the Transformer."""
+        return x
+
+    def cross_attention_stage(self, x, encoder_out, encoder_padding_mask, incremental_state,
+                              prev_attn_state, need_attn: bool, need_head_weights: bool):
+        """Encoder-decoder attention sublayer: ``(x, attention weights)``."""
+        residual = x
+        if self.normalize_before:
+            x = self.encoder_attn_layer_norm(x)
+        if prev_attn_state is not None:
+            self.encoder_attn._set_input_buffer(incremental_state, _saved_state(prev_attn_state))
+        x, attn = self.encoder_attn(
+            query=x, key=encoder_out, value=encoder_out, key_padding_mask=encoder_padding_mask,
+            incremental_state=incremental_state, static_kv=True,
+            need_weights=need_attn or (not self.training and self.need_attn),
+            need_head_weights=need_head_weights,
+        )
+        x = self.residual_connection(self.dropout_module(x), residual)
+        return (x if self.normalize_before else self.encoder_attn_layer_norm(x)), attn
+
+    def feed_forward_stage(self, x):
+        """Position-wise feed-forward sublayer."""
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self.activation_dropout_module(self.activation_fn(self.fc1(x)))
+        if self.ffn_layernorm is not None:  # --scale-fc
+            x = self.ffn_layernorm(x)
+        x = self.dropout_module(self.fc2(x))
+        if self.w_resid is not None:  # --scale-resids
+            residual = torch.mul(self.w_resid, residual)
+        x = self.residual_connection(x, residual)
+        return x if self.normalize_before else self.final_layer_norm(x)
+
+
+def _saved_state(prev_state: List[Tensor]) -> Dict[str, Optional[Tensor]]:
+    """fairseq's attention cache from a layer's ``prev_*_state`` list."""
+    saved: Dict[str, Optional[Tensor]] = {"prev_key": prev_state[0], "prev_value": prev_state[1]}
+    if len(prev_state) >= 3:
+        saved["prev_key_padding_mask"] = prev_state[2]
+    return saved
+
 
 class SlotTransformerEncoder(TransformerEncoderBase):
     """fairseq's encoder plus the encoder memory slot (see the module docstring)."""
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        if safe_getattr(cfg, "encoder_no_token_positional_embeddings", False):
+            # token embeddings without positions in the encoder only (Cui et al. 2019,
+            # Table 3); dropped before any checkpoint is loaded, so none are expected
+            self.embed_positions = None
         self.memories = nn.ModuleDict(ENCODER_MEMORY.build_all(cfg, num_layers=self.num_layers))
         check_distinct_outputs(self.memories)
 
@@ -163,7 +303,7 @@ class SlotTransformerDecoder(TransformerDecoderBase):
         )
         self.memory_key = self._memory_key()
         if self.memory_key != ENCODER_OUT and cfg.cross_self_attention:
-            raise ValueError(
+            raise UsageError(
                 "--cross-self-attention needs the standard decoder cross-attention"
             )
         self.output_fusion = DECODER_OUTPUT.build(cfg, num_layers=self.num_layers)
@@ -202,10 +342,18 @@ class SlotTransformerDecoder(TransformerDecoderBase):
         full_context_alignment: bool = False,
         alignment_layer: Optional[int] = None,
         alignment_heads: Optional[int] = None,
+        layer_extras: Optional[Dict[str, Tensor]] = None,
     ):
+        """fairseq's features; ``layer_extras`` (e.g. AIF's auxiliary features) reach every
+        layer's :meth:`~SlotTransformerDecoderLayer.after_self_attention` through its call."""
+        memory = self.cross_attention_memory(encoder_out)
+        if layer_extras:
+            if memory is None or not memory[ENCODER_OUT]:
+                raise ValueError("per-layer inputs of the decoder need an encoder output")
+            memory = {**memory, ENCODER_OUT: [LayerInput(memory[ENCODER_OUT][0], layer_extras)]}
         x, extra = super().extract_features(
             prev_output_tokens,
-            self.cross_attention_memory(encoder_out),
+            memory,
             incremental_state,
             full_context_alignment,
             alignment_layer,
@@ -228,14 +376,14 @@ class SlotTransformerDecoder(TransformerDecoderBase):
         return x
 
 
-def _check_replaced_memory_is_read(model):
+def check_replaced_memory_is_read(encoder: SlotTransformerEncoder, decoder: SlotTransformerDecoder):
     """An encoder memory that replaces ``encoder_out`` only matters to a cross-attention
     that reads ``encoder_out``: refuse the combinations where it would be silently unused."""
-    writers = [name for name, memory in model.encoder.memories.items() if ENCODER_OUT in memory.output_keys]
-    if writers and model.decoder.memory_key != ENCODER_OUT:
-        raise ValueError(
+    writers = [name for name, memory in encoder.memories.items() if ENCODER_OUT in memory.output_keys]
+    if writers and decoder.memory_key != ENCODER_OUT:
+        raise UsageError(
             f"{', '.join(writers)} replaces the encoder output that the standard cross-attention "
-            f"attends to, but this decoder's cross-attention attends to {model.decoder.memory_key!r}: "
+            f"attends to, but this decoder's cross-attention attends to {decoder.memory_key!r}: "
             "choose one"
         )
 
@@ -254,12 +402,33 @@ class SlotTransformerModel(TransformerModel):
         add_slot_args(parser)
 
     @classmethod
+    def complete_options(cls, args):
+        """The model's defaults for options that ``args`` lacks (checkpoints written by
+        older versions): the architecture function of the model's name."""
+        slot_transformer(args)
+
+    @classmethod
     def build_model(cls, args, task):
-        slot_transformer(args)  # complete options of checkpoints written by older versions
-        model = super().build_model(args, task)
-        _check_replaced_memory_is_read(model)
-        apply_model_hooks(model)  # what spans several slots (slots.register_model_hook)
+        """Every slot model is built here: options completed, encoder and decoder built
+        (:meth:`build_encoder_and_decoder`), then what spans both (slots.register_model_hook)
+        tied for the encoder whose tables the decoder shares (:meth:`decoder_partner`).
+        No mechanism option may be set while its mechanism is off (:mod:`.options`)."""
+        cls.complete_options(args)
+        check_options(args)
+        model = cls.build_encoder_and_decoder(args, task)
+        apply_model_hooks(model.decoder_partner(), model.decoder)
         return model
+
+    @classmethod
+    def build_encoder_and_decoder(cls, args, task):
+        """fairseq's transformer with the slot encoder and decoder."""
+        model = super().build_model(args, task)
+        check_replaced_memory_is_read(model.encoder, model.decoder)
+        return model
+
+    def decoder_partner(self) -> SlotTransformerEncoder:
+        """The encoder whose modules the decoder's fillers may share."""
+        return self.encoder
 
     @classmethod
     def build_encoder(cls, cfg, src_dict, embed_tokens):
@@ -269,6 +438,15 @@ class SlotTransformerModel(TransformerModel):
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         cfg = TransformerConfig.from_namespace(cfg)
         return cls.decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+    def set_beam_size(self, beam_size: int):
+        """fairseq's ``SequenceGenerator`` gives the beam size to models that take it: this
+        package's attention modules that cache per sentence in beam search learn it (MLMHA's
+        n projected encoder layers, which would otherwise be copied at every step); fairseq's
+        own modules keep fairseq's transformer behaviour."""
+        for module in self.decoder.modules():
+            if hasattr(module, "set_beam_size") and module.__module__.startswith("mlmha_fairseq.modules."):
+                module.set_beam_size(beam_size)
 
 
 @register_model_architecture("slot_transformer", "slot_transformer")

@@ -1,7 +1,7 @@
 """Slots: the places of the Transformer where this package's mechanisms plug in.
 
-Every mechanism of the source documents changes one of a few places of the standard
-Transformer (DESIGN.md, "papers are presets, mechanisms are slots"). Each place is a
+Every mechanism of the papers changes one of a few places of the standard Transformer
+(papers are presets, mechanisms are slots). Each place is a
 :class:`Slot`. A mechanism registers a *filler* for a slot: a function of the model
 configuration (and of where it is built, e.g. the layer index) that returns a module,
 or ``None`` when the configuration does not ask for that mechanism there. When no filler
@@ -11,13 +11,17 @@ configuration error, reported with both names. The encoder memory slot is not ex
 each mechanism adds its own named entries to the encoder output (see
 :func:`check_distinct_outputs`).
 
-Mechanisms also register their command-line options here (:func:`register_options`), so
-that ``fairseq-train --arch slot_transformer --help`` lists every option of every slot.
+Mechanisms declare their command-line options in :mod:`mlmha_fairseq.models.options`; the
+slot-wide ones are added here, so that ``fairseq-train --arch slot_transformer --help``
+lists every option of every slot.
 """
+import argparse
 from typing import Callable, Dict, List, Optional
 
 import torch.nn as nn
 from fairseq.utils import safe_getattr
+
+from .options import slot_wide_mechanisms
 
 Filler = Callable[..., Optional[nn.Module]]
 
@@ -66,10 +70,13 @@ class Slot:
         return [DEFAULT] + self._selectable
 
     def add_option(self, parser):
+        """The slot's choice; a slot no mechanism selects keeps its option parseable
+        (``standard`` only) but out of ``--help``."""
         parser.add_argument(
             self.option,
             choices=self.choices,
-            help=f"what fills the {self.name} slot ({DEFAULT}: fairseq's module)",
+            help=(f"what fills the {self.name} slot ({DEFAULT}: fairseq's module)"
+                  if self._selectable else argparse.SUPPRESS),
         )
 
     def selected(self, cfg) -> str:
@@ -125,45 +132,34 @@ def check_distinct_outputs(memories: Dict[str, nn.Module]):
             producers[key] = name
 
 
-_OPTION_GROUPS: List[Callable] = []
-_DEFAULTS: List[Callable] = []
-_MODEL_HOOKS: List[Callable[[nn.Module], None]] = []
+_MODEL_HOOKS: List[Callable[[nn.Module, nn.Module], None]] = []
 
 
-def register_options(add_args: Callable, set_defaults: Callable):
-    """Register a mechanism's ``add_args(parser)`` and its ``set_defaults(args)``.
-
-    ``set_defaults`` must only fill options the user did not give
-    (``args.x = getattr(args, "x", default)``), like fairseq's architecture functions.
-    """
-    _OPTION_GROUPS.append(add_args)
-    _DEFAULTS.append(set_defaults)
-
-
-def register_model_hook(hook: Callable[[nn.Module], None]):
-    """Register ``hook(model)``, run on every slot model once it is built (before any
-    checkpoint is loaded into it), for what spans several slots: e.g. one module shared
-    by an encoder filler and a decoder filler, which the slots build separately."""
+def register_model_hook(hook: Callable[[nn.Module, nn.Module], None]):
+    """Register ``hook(encoder, decoder)``, run on every slot model once it is built
+    (before any checkpoint is loaded into it), for what spans the encoder and decoder
+    slots: e.g. one module shared by an encoder filler and a decoder filler, which the
+    slots build separately."""
     _MODEL_HOOKS.append(hook)
     return hook
 
 
-def apply_model_hooks(model: nn.Module):
+def apply_model_hooks(encoder: nn.Module, decoder: nn.Module):
     for hook in _MODEL_HOOKS:
-        hook(model)
+        hook(encoder, decoder)
 
 
 def add_slot_args(parser):
-    """The slot choices and every registered mechanism's options."""
+    """The slot choices and every slot-wide mechanism's options."""
     for slot in SELECTABLE_SLOTS:
         slot.add_option(parser)
-    for add_args in _OPTION_GROUPS:
-        add_args(parser)
+    for mechanism in slot_wide_mechanisms():
+        mechanism.add_args(parser)
 
 
 def set_slot_defaults(args):
     """Every slot at fairseq's module, every mechanism off (unless already set)."""
     for slot in SELECTABLE_SLOTS:
         setattr(args, slot.dest, getattr(args, slot.dest, DEFAULT))
-    for set_defaults in _DEFAULTS:
-        set_defaults(args)
+    for mechanism in slot_wide_mechanisms():
+        mechanism.set_defaults(args)

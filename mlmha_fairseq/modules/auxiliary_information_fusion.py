@@ -1,4 +1,4 @@
-"""Auxiliary Information Fusion, AIF (thesis Eqs. 4.2-4.3, Fig. 4.4; spec thesis §3.4).
+"""Auxiliary Information Fusion, AIF (thesis Eqs. 4.2-4.3, Fig. 4.4).
 
 The Auxiliary Feature Collector gathers ``F^a = [f^1, ..., f^n]``, the final hidden states
 of the n auxiliary decoders for the same target prefix (each ``T x B x C``). In every

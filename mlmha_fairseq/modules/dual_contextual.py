@@ -1,4 +1,4 @@
-"""Dual Contextual (DC) module, thesis ch. 5 (spec ``thesis_jas_ms_dc.md`` §4, Fig. 5.2).
+"""Dual Contextual (DC) module, thesis ch. 5 (Eqs. 5.4-5.7, Fig. 5.2).
 
 The DC module replaces a layer's self-attention sublayer. With ``r`` the sublayer input
 (T x B x C):
@@ -15,11 +15,11 @@ The DC module replaces a layer's self-attention sublayer. With ``r`` the sublaye
 What this module computes is ``z_hat``: the layer around it (fairseq's encoder or decoder
 layer) adds dropout, the residual ``r`` and its ``self_attn_layer_norm``, which is exactly
 Eq. 5.7 in a post-norm layer. In a pre-norm layer (``--encoder-normalize-before``) the same
-code gives the spec's pre-norm variant: ``r = LN_in(x)`` and ``x <- x + Drop(z_hat)``, the
+code gives the pre-norm variant: ``r = LN_in(x)`` and ``x <- x + Drop(z_hat)``, the
 LayerNorm inside the local unit kept.
 
-Window [choice] (errata 10: the thesis writes ``[t-f/2, t+f/2]``, f+1 inputs, while ``W^r``
-has f d rows): exactly f inputs. Encoder: centred, ``a = floor((f-1)/2)`` before and
+Window [choice] (the thesis writes ``[t-f/2, t+f/2]``, f+1 inputs, while ``W^r`` of
+Eq. 5.2 has f d rows): exactly f inputs. Encoder: centred, ``a = floor((f-1)/2)`` before and
 ``b = ceil((f-1)/2)`` after t, so for even f the extra input is on the right (PyTorch's
 ``padding='same'``; f=2 sees ``[t, t+1]``). Decoder: causal, ``[t-f+1, t]`` (a centred
 window would show y_t to the prediction of y_t under teacher forcing).

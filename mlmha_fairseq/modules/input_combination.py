@@ -1,5 +1,5 @@
 """Input combination strategies of a multi-source Transformer decoder (Libovický, Helcl and
-Mareček, WMT 2018; spec mma_multisource.md B.2).
+Mareček, WMT 2018, §3).
 
 Each class is the whole encoder-decoder attention *sublayer* of a decoder layer, residual
 connections and layer normalisation included, because the serial strategy chains n
@@ -20,7 +20,7 @@ and post-norm (fairseq's default) moves every LN after its residual: ``h_k = LN_
 
 Every per-source attention ``A_k`` is a distinct fairseq ``MultiheadAttention`` with
 ``encoder_decoder_attention=True``, so its keys and values are projected once per sentence
-and cached under its own incremental-state key (pitfall M5). The hierarchical second
+and cached under its own incremental-state key (one cache per source). The hierarchical second
 level runs per target position (its keys are that position's n contexts, never another
 position's, so decoding stays causal) and without incremental state.
 """
@@ -44,7 +44,8 @@ class InputCombination(nn.Module):
     ``forward(x, memories, padding_masks, incremental_state, need_weights,
     need_head_weights) -> (u, attn)`` with ``x``, ``u``: ``T x B x C``; ``memories``: n
     tensors ``S_k x B x C``; ``padding_masks``: n tensors ``B x S_k`` (True = pad).
-    ``attn`` is the attention over the primary source (``primary_index``; pitfall M10), in
+    ``attn`` is the attention over the primary source (``primary_index``: what fairseq's
+    alignment output reports), in
     fairseq's layout (``B x T x S`` averaged over heads, ``H x B x T x S`` with
     ``need_head_weights``). With ``record_weights`` set, every call also stores the
     head-averaged weights over each source (``recorded["sources"]``: n tensors ``B x T x
@@ -139,7 +140,7 @@ class SerialCombination(InputCombination):
 
 class ParallelCombination(InputCombination):
     """Parallel (Fig. 1b, Eq. 4): every source attended with the same query; the contexts
-    are summed, not averaged (pitfall M8), each after its own dropout (RI)."""
+    are summed, not averaged (Eq. 4), each after its own dropout (RI)."""
 
     strategy = PARALLEL
 
@@ -160,7 +161,8 @@ class ParallelCombination(InputCombination):
 class FlatCombination(InputCombination):
     """Flat (Fig. 1c, Eqs. 5-6): one attention, with shared projections, over the
     concatenation along time of all encoder states; one joint distribution. Masks are
-    concatenated in the same order, so pads in the middle are masked (pitfall M6)."""
+    concatenated in the same order, so pads in the middle of the
+    concatenation are masked."""
 
     strategy = FLAT
 
@@ -208,7 +210,7 @@ class HierarchicalCombination(InputCombination):
             contexts.append(self.dropout_module(context))
             weights.append(w)
         # per position (Eq. 7, RI's reshape to [B*T, n, d]): query 1 x (T*B) x C over the
-        # n x (T*B) x C contexts of the same position; no incremental state (pitfall M5)
+        # n x (T*B) x C contexts of the same position; no incremental state (the keys change at every step)
         stacked = torch.stack(contexts).view(self.num_sources, tgt_len * bsz, dim)
         combined, level = self.hier_attention(
             query=query.reshape(1, tgt_len * bsz, dim), key=stacked, value=stacked,

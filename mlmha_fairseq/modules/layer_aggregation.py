@@ -1,4 +1,4 @@
-"""Layer aggregation (thesis §2.2; spec A.4): one joint source memory.
+"""Layer aggregation (thesis §2.2): one joint source memory.
 
 Every module maps stacked encoder states ``n x T x B x C`` (bottom to top) to
 the memory that replaces ``H_e^L`` as keys/values of every decoder
@@ -98,7 +98,7 @@ class IterativeAggregation(nn.Module):
 
 
 class TransparentCombination(nn.Module):
-    """Transparent Attention (Bapna et al. 2018; spec A.4 item 3).
+    """Transparent Attention (Bapna et al. 2018, §3).
 
     Decoder layer j attends to ``z_j = sum_i softmax_i(W[:, j]) H_e^i`` over all
     L+1 encoder states, the embedding output included. ``weight``:

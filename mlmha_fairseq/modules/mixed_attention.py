@@ -1,4 +1,4 @@
-"""Mixed Multi-Head Self-Attention (MMA), Cui et al. 2019, spec ``mma_multisource.md`` A.2.
+"""Mixed Multi-Head Self-Attention (MMA), Cui et al. 2019, §3.
 
 Every head h of an encoder self-attention gets a fixed hard mask ``M^h`` added to its
 energies before the softmax (Eq. 7):
@@ -51,8 +51,8 @@ def head_masks(head_types: Tuple[str, ...], window: int, length: int, device: to
     """``H x T x T`` bool, True where head h's query i may attend to key j.
 
     Built once per (head types, window, length, device) and shared by every layer and
-    batch (spec P10); callers must not modify it in place. Boolean, so the same mask
-    serves every compute dtype (fp32, fp16, bf16) without fill values (spec P5).
+    batch; callers must not modify it in place. Boolean, so the same mask
+    serves every compute dtype (fp32, fp16, bf16) without fill values.
     """
     with torch.inference_mode(False):  # a cached mask may later be saved for backward
         type_index = torch.tensor([HEAD_TYPES.index(t) for t in head_types], device=device)
@@ -60,15 +60,15 @@ def head_masks(head_types: Tuple[str, ...], window: int, length: int, device: to
 
 
 def allowed_keys(structural: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
-    """The heads' masks AND-ed with the key padding mask (spec A.2.3 item 3).
+    """The heads' masks AND-ed with the key padding mask.
 
     ``structural``: ``H x T x T``; ``key_padding_mask``: ``B x T``, True at pads.
     Returns ``1 x H x T x T`` without padding, else ``B x H x T x T`` (True = allowed).
 
     A query row can lose every key: a pad query of a B or L head in a left-padded batch
     only sees pad keys (an F or L head in a right-padded one), which would give a softmax
-    over nothing, NaN outputs, and NaN in real tokens one layer later (``0 * NaN``; spec
-    P4). Such rows attend to themselves instead. Rows of real tokens always keep their
+    over nothing, NaN outputs, and NaN in real tokens one layer later (``0 * NaN``).
+    Such rows attend to themselves instead. Rows of real tokens always keep their
     diagonal, and a pad row that still sees some real key is left as fairseq computes it,
     so outputs equal fairseq's attention wherever fairseq's are finite.
     """
@@ -85,7 +85,8 @@ class MixedMultiheadAttention(MultiheadAttention):
 
     Same constructor as fairseq's ``MultiheadAttention`` plus ``head_types`` (one of
     G/L/F/B per head, in head order) and ``window`` (w of the local heads, in tokens of
-    the model's input, EOS included; spec A.2.3 item 4). Self-attention only: no
+    the model's input, EOS included, as the paper's
+    positions). Self-attention only: no
     incremental state, no ``static_kv``, no extra ``attn_mask``.
 
     Without attention weights requested (the encoder layer's call) the heads run in one

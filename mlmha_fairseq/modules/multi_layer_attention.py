@@ -1,4 +1,4 @@
-"""Multi-Layer Multi-Head Attention (MLMHA), spec A.3.3-A.3.6 / thesis §2.3.
+"""Multi-Layer Multi-Head Attention (MLMHA), Ampomah et al. 2020, §3 / thesis §2.3.
 
 The decoder's encoder-decoder attention attends directly to the n stacked taps
 ``F^s = [f_1, ..., f_n]`` of the Source Feature Collector. Every tap has its own
@@ -24,16 +24,12 @@ from torch import Tensor, nn
 
 IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
-# Paper Table 1: M-ij with i = Ū0 (0 joint / 1 layer-specific weight) and
-# j = Ū1 (0 contexts-concatenation / 1 contexts-summation).
-VARIANTS: Dict[str, Tuple[bool, bool]] = {
-    "M-00": (True, True),
-    "M-01": (True, False),
-    "M-10": (False, True),
-    "M-11": (False, False),
-}
+# Ampomah et al. 2020, Table 1: variant M-ij, i = 0 joint / 1 layer-specific attention
+# weights, j = 0 concatenated / 1 summed contexts.
+VARIANTS = ("M-00", "M-01", "M-10", "M-11")
 
-# fairseq's MultiheadAttention initialises q/k/v with this Xavier gain (pitfall 19).
+# fairseq's MultiheadAttention initialises q/k/v with this Xavier gain; the same gain keeps
+# n = 1 identical to the standard cross-attention at initialisation.
 QKV_INIT_GAIN = 1 / math.sqrt(2)
 CACHE_KEY = "mlmha_state"
 
@@ -44,7 +40,7 @@ def parse_variant(name: str) -> Tuple[bool, bool]:
         raise ValueError(
             f"unknown MLMHA variant {name!r}; expected one of {sorted(VARIANTS)}"
         )
-    return VARIANTS[name]
+    return name[2] == "0", name[3] == "0"
 
 
 def _attention_masks(key_padding_mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -59,6 +55,28 @@ def _attention_masks(key_padding_mask: Tensor) -> Tuple[Tensor, Tensor]:
     empty = pad.all(dim=-1, keepdim=True)
     attend = ~pad | empty
     return attend[:, None, None, :], empty[:, None, None, :]
+
+
+def _fold_beams(query: Tensor, beams: int) -> Tensor:
+    """(B*beams) x H' x Tt x E -> B x H' x (beams*Tt) x E: the beams of a sentence become
+    more query positions against the sentence's one row of keys (rows of attention are
+    independent, so this is exact)."""
+    if beams == 1:
+        return query
+    rows, heads, tgt_len, dim = query.shape
+    return query.view(rows // beams, beams, heads, tgt_len, dim).transpose(1, 2).reshape(
+        rows // beams, heads, beams * tgt_len, dim
+    )
+
+
+def _unfold_beams(folded: Tensor, beams: int) -> Tensor:
+    """The inverse of ``_fold_beams`` for contexts or probabilities."""
+    if beams == 1:
+        return folded
+    sentences, heads, positions, dim = folded.shape
+    return folded.view(sentences, heads, beams, positions // beams, dim).transpose(1, 2).reshape(
+        sentences * beams, heads, positions // beams, dim
+    )
 
 
 @with_incremental_state
@@ -95,6 +113,8 @@ class MultiLayerMultiheadAttention(nn.Module):
         bias: bool = False,
         share_query: bool = False,
         share_kv: bool = False,
+        dropped_layer_index: Optional[int] = None,
+        memory_key: str = "encoder_out",
     ):
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -129,11 +149,13 @@ class MultiLayerMultiheadAttention(nn.Module):
             self.register_parameter("v_proj_bias", None)
         context_dim = num_taps * embed_dim if concat_contexts else embed_dim
         self.out_proj = nn.Linear(context_dim, embed_dim, bias=bias)
-        self._dropped_layer_index: Optional[int] = None
+        self.memory_key = memory_key  # the encoder_out entry the decoder hands as the taps
+        self.dropped_layer_index = dropped_layer_index
+        self.beam_size = 1
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Per-tap init identical to fairseq's ``MultiheadAttention`` (pitfall 19)."""
+        """Per-tap init identical to fairseq's ``MultiheadAttention``."""
         for weight in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
             for tap_weight in weight:  # d x d: Xavier fans must be per tap
                 nn.init.xavier_uniform_(tap_weight, gain=QKV_INIT_GAIN)
@@ -147,6 +169,13 @@ class MultiLayerMultiheadAttention(nn.Module):
         if self.out_proj.bias is not None:
             nn.init.zeros_(self.out_proj.bias)
 
+    def set_beam_size(self, beam_size: int):
+        """Beam search with ``beam_size`` hypotheses per sentence in consecutive rows (as
+        fairseq's ``SequenceGenerator`` lays them out): the cached taps then hold one row per
+        sentence, the beams of a sentence share it, and reordering the beams of a sentence
+        copies nothing (fairseq's "beamable" encoder-decoder attention)."""
+        self.beam_size = beam_size
+
     @property
     def dropped_layer_index(self) -> Optional[int]:
         """Tap index (0..n-1) removed for the Table 7 ablation, bias-free reading.
@@ -159,6 +188,7 @@ class MultiLayerMultiheadAttention(nn.Module):
 
     @dropped_layer_index.setter
     def dropped_layer_index(self, index: Optional[int]):
+        """Settable for analyses that ablate one tap of a trained model."""
         if index is not None and not 0 <= index < self.num_taps:
             raise ValueError(
                 f"dropped_layer_index must be in [0, {self.num_taps - 1}], got {index}"
@@ -193,16 +223,27 @@ class MultiLayerMultiheadAttention(nn.Module):
         if cache is None:
             if key is None:
                 raise ValueError("the encoder taps (key) are needed at the first step")
+            beams = self.beam_size
+            if incremental_state is not None and beams > 1 and key.size(2) == query.size(1) and key.size(2) % beams == 0:
+                # every beam of a sentence has the sentence's taps: keep its first row
+                key = key[:, :, ::beams]
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask[::beams]
             cache = self._prepare_taps(key, key_padding_mask)
             if incremental_state is not None:
                 self._set_input_buffer(incremental_state, cache)
         query_heads = self._project_query(query)
+        assert cache["key"] is not None
+        beams = query_heads.size(0) // cache["key"].size(0)  # > 1 with per-sentence taps
+        query_heads = _fold_beams(query_heads, beams)
         if need_weights:
             context, probs = self._attend_with_weights(query_heads, cache)
+            probs = _unfold_beams(probs, beams)
             weights = self._report_weights(probs, need_head_weights)
         else:
             context = self._attend_fused(query_heads, cache)
             weights = None
+        context = _unfold_beams(context, beams)
         return self.out_proj(self._merge_contexts(context, query.size(0))), weights
 
     def _cached_taps(
@@ -319,7 +360,8 @@ class MultiLayerMultiheadAttention(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """Eqs. 8-10 with explicit probabilities (B x H' x Tt x Ts, fp32 softmax).
 
-        Pads are masked with -inf after the n scores are summed (pitfall 21).
+        Pads are masked with -inf after the n scores are summed (masking each score
+        first would add -inf terms and give NaN).
         Returns the context (B x H' x Tt x E_v) and the pre-dropout probabilities.
         """
         key, value = cache["key"], cache["value"]
@@ -336,7 +378,8 @@ class MultiLayerMultiheadAttention(nn.Module):
     def _report_weights(self, probs: Tensor, need_head_weights: bool) -> Tensor:
         """B x H' x Tt x Ts -> H x B x Tt x Ts, or B x Tt x Ts averaged over heads.
 
-        Layer-specific: mean over taps of the per-tap probabilities (pitfall 6).
+        Layer-specific: mean over taps of the per-tap probabilities (each tap's
+        distribution sums to one, so their mean is a distribution over the source).
         """
         bsz, _, tgt_len, src_len = probs.shape
         probs = probs.view(bsz, -1, self.num_heads, tgt_len, src_len).mean(dim=1)
@@ -369,7 +412,8 @@ class MultiLayerMultiheadAttention(nn.Module):
     def reorder_incremental_state(
         self, incremental_state: IncrementalState, new_order: Tensor
     ) -> IncrementalState:
-        """Select the cached taps of the surviving hypotheses (pitfall 5).
+        """Select the cached taps of the surviving hypotheses (beam search reorders
+        the batch at every step).
 
         Always reorders: ``new_order`` may repeat rows (beams) or be shorter
         than the cached batch (finished sentences).
@@ -377,6 +421,14 @@ class MultiLayerMultiheadAttention(nn.Module):
         buffer = self._get_input_buffer(incremental_state)
         if not buffer:
             return incremental_state
+        cached_key = buffer["key"]
+        assert cached_key is not None
+        rows = cached_key.size(0)
+        if self.beam_size > 1 and rows * self.beam_size == new_order.numel():
+            return incremental_state  # beams moved within their sentences: same taps
+        if self.beam_size > 1 and rows != new_order.numel():
+            # per-sentence taps, some sentences finished: the sentence of each beam group
+            new_order = new_order.view(-1, self.beam_size)[:, 0] // self.beam_size
         for name, cached in buffer.items():
             if cached is not None:
                 buffer[name] = cached.index_select(0, new_order)

@@ -1,4 +1,4 @@
-"""Multi-layer Representation Fusion (MLRF; Wang et al., COLING 2018; spec B.3-B.4).
+"""Multi-layer Representation Fusion (MLRF; Wang et al., COLING 2018, §3).
 
 A fusion layer reads the representations of K layers at one position,
 ``Z_j = [z_j^0, ..., z_j^L]`` (layer 0 = the embedding output, paper footnote 2), and
@@ -34,7 +34,8 @@ LAYER_EMBEDDING_INIT_RANGE = 0.1
 @dataclass(frozen=True)
 class FusionOptions:
     """Hyper-parameters of the fusion functions; the defaults are the paper's De-En
-    settings (§4.2: n_hop = 4, d_a = 1024, d_f = 512) and the spec's readings (B.4)."""
+    settings (§4.2: n_hop = 4, d_a = 1024, d_f = 512) and this package's readings of what
+    the paper leaves open (marked [choice])."""
 
     hops: int = 4
     attention_dim: int = 1024  # d_a
@@ -83,7 +84,7 @@ class FeedForward(nn.Module):
 
 class AverageFusion(nn.Module):
     """AVG: ``LN((1/K) sum_l z_j^l)``. No layer embedding: before a mean it would only add
-    the constant ``mean_l E_l`` (spec B.4a)."""
+    the constant ``mean_l E_l`` (Eq. 4)."""
 
     def __init__(self, embed_dim: int, layer_norm: bool = True):
         super().__init__()

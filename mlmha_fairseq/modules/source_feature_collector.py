@@ -1,4 +1,4 @@
-"""Source Feature Collector (spec A.3.1, thesis §2.1).
+"""Source Feature Collector (Ampomah et al. 2020, §3.1; thesis §2.1).
 
 Gathers ``F^s = [f_1, ..., f_n]``, the outputs of the top n encoder layers,
 bottom to top: ``f_i = H_e^{L-n+i}``, so ``f_n = H_e^L``. The embedding output is
@@ -18,7 +18,7 @@ class SourceFeatureCollector(nn.Module):
     Post-norm (the paper's equations): encoder layer outputs are already
     normalised and are used as they are.
     Pre-norm (the authors' released code [code]): fairseq's encoder states are
-    not normalised (pitfall 4), so ``f_i = LN_i(H_e^{L-n+i})`` with n-1 own
+    not normalised (only the top one passes the encoder's final LayerNorm), so ``f_i = LN_i(H_e^{L-n+i})`` with n-1 own
     LayerNorms; the top tap is fairseq's ``encoder_out``, normalised by the
     encoder's own final LayerNorm, so that n = 1 is exactly the baseline.
 
@@ -26,7 +26,8 @@ class SourceFeatureCollector(nn.Module):
     zeros after its LayerNorm (Table 3.5 / Table 7 ablation, thesis §2.6(5)).
     """
 
-    def __init__(self, num_taps: int, embed_dim: int, normalize_before: bool):
+    def __init__(self, num_taps: int, embed_dim: int, normalize_before: bool,
+                 zeroed_layer: Optional[int] = None):
         super().__init__()
         if num_taps < 1:
             raise ValueError(f"the number of taps n must be >= 1, got {num_taps}")
@@ -34,7 +35,7 @@ class SourceFeatureCollector(nn.Module):
         self.normalize_before = normalize_before
         num_norms = num_taps - 1 if normalize_before else 0
         self.layer_norms = nn.ModuleList(LayerNorm(embed_dim) for _ in range(num_norms))
-        self.zeroed_layer: Optional[int] = None
+        self.zeroed_layer = zeroed_layer
 
     def forward(self, encoder_states: List[Tensor], encoder_out: Tensor) -> Tensor:
         """Return ``F^s`` as ``n x T x B x C``, bottom to top.

@@ -1,19 +1,19 @@
 """Task ``multi_source_translation``: n aligned sources (text, or precomputed image
-features) and one target, for the multi-source Transformer (spec mma_multisource.md B;
-pitfalls M1-M3).
+features) and one target, for the multi-source Transformer (Libovický et al. 2018).
 
 Data layout (what ``python -m mlmha_fairseq.cli.build_corpus --sources es fr de --target en``
 writes; docs/corpus.md): every text source ``s`` is binarized with the target by
 ``fairseq-preprocess --srcdict dict.txt --tgtdict dict.txt`` (one joint dictionary) into
-``{split}.{s}-{tgt}.{s}.bin/.idx``; the target is read from the first text source's pair;
+``{split}.{s}-{tgt}.{s}.bin/.idx``; the target is read from the first text source's pair,
+and every other pair's target must hold the same sentences;
 an image source ``img`` is a float array ``{split}.{img}.npy`` of shape ``[sentences,
 positions, channels]``. Line ``i`` of every file is the same tuple. Everything is checked
 when a split is loaded, before training or decoding starts: a missing file, a language
 without dictionary, files with different numbers of sentences, image features with
-another number of rows or channels, or dictionaries that differ, each stop with a
-:class:`DataError` naming the file.
+another number of rows or channels, pairs whose targets differ, or dictionaries that
+differ, each stop with a :class:`DataError` naming the file (one line, exit status 1).
 
-Example (the order of ``--source-langs`` is the serial order, pitfall M15)::
+Example (the order of ``--source-langs`` is the serial order of Fig. 1a)::
 
     fairseq-train data-bin --user-dir mlmha_fairseq --task multi_source_translation \
         --source-langs es,fr,de,en --target-lang cs --primary-source en \
@@ -23,12 +23,14 @@ Example (the order of ``--source-langs`` is the serial order, pitfall M15)::
         --path checkpoint_best.pt --beam 10 --gnmt-lenpen 1.0 \
         [--adversarial-source en --adversarial-seed 1]
 """
+import filecmp
 import glob
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+import torch
 from fairseq import utils
 from fairseq.data import Dictionary, data_utils, indexed_dataset
 from fairseq.dataclass import ChoiceEnum
@@ -44,6 +46,7 @@ from mlmha_fairseq.data.multi_source_dataset import (
     MultiSourceLanguagePairDataset,
     deranged,
 )
+from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.generation.gnmt_task_mixin import (
     GNMTLengthPenaltyConfig,
     GNMTLengthPenaltyMixin,
@@ -148,7 +151,7 @@ class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
         if not getattr(model, "is_multi_source", False):
-            raise ValueError("--task multi_source_translation needs a multi-source model "
+            raise UsageError("--task multi_source_translation needs a multi-source model "
                              "(--arch multi_source_transformer or one of its presets)")
         return model
 
@@ -166,6 +169,10 @@ class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
             else:
                 prefix = _pair_prefix(data, split, name, target_lang, name)
                 source, path = self._load_text(prefix, f"source {name}"), _bin_path(prefix)
+                pair_target = _pair_prefix(data, split, name, target_lang, target_lang)
+                if pair_target != target_prefix:
+                    _check_same_target(target_prefix, target, pair_target,
+                                       self._load_text(pair_target, f"target {target_lang}"))
             if len(source) != len(target):
                 raise DataError(
                     f"{path} has {len(source)} {'rows' if kind == IMAGE else 'sentences'} but the "
@@ -204,28 +211,28 @@ def _layout(cfg):
     """``(names, kinds, primary index)`` of ``--source-langs``, validated."""
     names, images = _names(cfg.source_langs), _names(cfg.image_sources)
     if not names:
-        raise ValueError("--task multi_source_translation needs --source-langs, e.g. es,fr,de,en")
+        raise UsageError("--task multi_source_translation needs --source-langs, e.g. es,fr,de,en")
     if cfg.target_lang is None:
-        raise ValueError("--task multi_source_translation needs --target-lang")
+        raise UsageError("--task multi_source_translation needs --target-lang")
     if len(set(names)) != len(names):
-        raise ValueError(f"--source-langs {cfg.source_langs} names a source twice")
+        raise UsageError(f"--source-langs {cfg.source_langs} names a source twice")
     for option, values in (("--image-sources", images), ("--adversarial-source", _names(cfg.adversarial_source)),
                            ("--primary-source", _names(cfg.primary_source))):
         unknown = [v for v in values if v not in names]
         if unknown:
-            raise ValueError(f"{option} {','.join(unknown)} is not among --source-langs {cfg.source_langs}")
+            raise UsageError(f"{option} {','.join(unknown)} is not among --source-langs {cfg.source_langs}")
     kinds = [IMAGE if name in images else TEXT for name in names]
     if TEXT not in kinds:
-        raise ValueError("--source-langs needs at least one text source")
+        raise UsageError("--source-langs needs at least one text source")
     primary = cfg.primary_source or names[kinds.index(TEXT)]
     if primary in images:
-        raise ValueError(f"--primary-source {primary} must be a text source")
+        raise UsageError(f"--primary-source {primary} must be a text source")
     return names, kinds, names.index(primary)
 
 
 def _data_dir(cfg) -> str:
     if not cfg.data:
-        raise ValueError("--task multi_source_translation needs a data directory")
+        raise UsageError("--task multi_source_translation needs a data directory")
     data = utils.split_paths(cfg.data)[0]
     if not os.path.isdir(data):
         raise DataError(f"data directory not found: {data}")
@@ -267,6 +274,24 @@ def _pair_prefix(data: str, split: str, src: str, tgt: str, lang: str) -> str:
             return prefix
     raise DataError(f"{'source' if lang == src else 'target'} {lang} of split {split!r}: "
                     f"{_bin_path(os.path.join(data, f'{split}.{src}-{tgt}.{lang}'))} not found")
+
+
+def _check_same_target(prefix: str, target, other_prefix: str, other) -> None:
+    """Every pair of an N-way split is binarized with the same target text, and only the
+    first pair's target is read: refuse a pair whose target differs, which would pair its
+    source lines with the wrong sentences."""
+    if filecmp.cmp(_bin_path(prefix), _bin_path(other_prefix), shallow=False):
+        return  # the same bytes (the usual case), without reading every sentence
+    for line in range(min(len(target), len(other))):
+        if not torch.equal(target[line], other[line]):
+            break
+    else:
+        if len(target) == len(other):
+            return
+        line = min(len(target), len(other))
+    raise DataError(f"{_bin_path(other_prefix)} differs from {_bin_path(prefix)} at line {line + 1}: "
+                    "every pair of the split must be binarized with the same target file, line "
+                    "for line")
 
 
 def _bin_path(prefix: str) -> str:

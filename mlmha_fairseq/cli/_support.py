@@ -1,8 +1,9 @@
-"""Argparse options and error handling shared by the ``mlmha_fairseq.cli`` evaluation tools."""
+"""Argparse options and error handling shared by the ``mlmha_fairseq.cli`` tools."""
 import argparse
 import logging
 import os
-from typing import List, Optional, Sequence
+import re
+from typing import Iterator, List, Optional, Sequence
 
 from mlmha_fairseq.evaluation.scoring import (
     DEFAULT_PROTOCOL,
@@ -14,7 +15,8 @@ from mlmha_fairseq.evaluation.scoring import (
     TextOptions,
     resolve_protocol,
 )
-from mlmha_fairseq.evaluation.text_io import InputError
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.output_files import refuse_overwriting_inputs
 
 SUBWORD_NMT = "subword_nmt"
 
@@ -25,9 +27,17 @@ def protocols_epilog() -> str:
     return "\n".join(lines)
 
 
-def make_parser(module: str, description: str, epilog: Optional[str] = None) -> argparse.ArgumentParser:
-    """A parser whose usage line reads ``python -m MODULE``."""
-    return argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+def help_text(docstring: str) -> str:
+    """A module docstring as ``--help`` shows it: reStructuredText's literal markers
+    (double backquotes, a paragraph's closing ``::``) removed."""
+    text = docstring.strip().replace("``", "")
+    return re.sub(r"(\S)::$", r"\1:", re.sub(r"\s::$", "", text, flags=re.M), flags=re.M)
+
+
+def make_parser(module: str, docstring: str, epilog: Optional[str] = None) -> argparse.ArgumentParser:
+    """A parser whose usage line reads ``python -m MODULE`` and whose description is the
+    whole module docstring (:func:`help_text`)."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=help_text(docstring),
                                    epilog=epilog,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -91,15 +101,43 @@ def setup_logging() -> None:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
+def _input_files(args: argparse.Namespace) -> Iterator[str]:
+    """Existing files named by any argument other than the outputs."""
+    for name, value in vars(args).items():
+        if name in ("output", "output_prefix"):
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and os.path.isfile(item):
+                yield item
+
+
+def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
+    """Refuse an ``output`` that is one of the inputs, or an ``--output-prefix`` whose
+    PREFIX.csv, PREFIX.json or PREFIX*.png is an input: no tool replaces a file it reads."""
+    inputs = list(_input_files(args))
+    if getattr(args, "output", None):
+        refuse_overwriting_inputs(args.output, inputs)
+    prefix = getattr(args, "output_prefix", None)
+    if prefix:
+        stem = os.path.realpath(prefix)
+        for path in inputs:
+            real = os.path.realpath(path)
+            if real in (stem + ".csv", stem + ".json") or (real.startswith(stem) and real.endswith(".png")):
+                raise UsageError(f"--output-prefix {prefix} would overwrite the input {path}; "
+                                 "choose another prefix")
+
+
 def run(parser: argparse.ArgumentParser, body, argv=None) -> None:
-    """Parse ``argv`` and call ``body(parser, args)``; user input problems exit via
-    ``parser.error`` (status 2, no traceback)."""
+    """Parse ``argv`` and call ``body(parser, args)``. Input the package rejects
+    (:class:`~mlmha_fairseq.errors.UsageError`) and file system errors (which name their
+    file) exit via ``parser.error``: one line, status 2, no traceback."""
     args = parser.parse_args(argv)
     setup_logging()
     try:
+        check_outputs_are_not_inputs(args)
         body(parser, args)
-    except InputError as error:
-        parser.error(str(error))
+    except (UsageError, OSError) as error:
+        parser.error(" ".join(str(error).split()))
 
 
 def add_sentence_selection(parser: argparse.ArgumentParser, default_seed: int, sample_note: str = "") -> None:

@@ -1,0 +1,534 @@
+"""Experiment runner: a grid of systems x training seeds from a TOML file, each run trained
+with ``fairseq-train``, decoded with ``fairseq-generate``, detokenized and scored, then one
+MultEval-style table (mean ± sd over seeds, s_sel, approximate randomization over the
+replicates, sacreBLEU's paired bootstrap per seed) as Markdown, LaTeX, JSON and PNG.
+
+Resumable: a run whose scores are written is skipped; a run that was stopped resumes from
+its ``checkpoint_last.pt`` (fairseq-train's own restore); a run that fails is reported and the
+others go on (exit status 1 at the end). Every command is printed with its log file and
+appended to ``<work_dir>/commands.log``.
+
+Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir DIR]``;
+``examples/experiment/demo.toml`` is the quick demo's grid with 3 seeds. Config keys::
+
+    work_dir = "work-experiment"        # runs/, logs/, results.* (relative to the current folder)
+    seeds = [1, 2, 3]                   # or a count: 3 = seeds 1..3
+    baseline = "transformer"            # default: the first system
+    systems = ["transformer", "mlmha M-00",                       # names of mlmha_fairseq.cli.systems
+               { name = "M-00 no dropout", base = "mlmha M-00", args = ["--dropout", "0"] },
+               { name = "my system", arch = "slot_transformer", args = ["--layer-aggregation", "s-agg"] }]
+    max_update = 400
+    beam = 4
+    max_tokens = 4096                   # or batch_size = 96 (sentences)
+    average_last = 0                    # k > 0: decode the average of the last k update checkpoints
+    save_interval_updates = 100         # default: max_update / 4
+    model_args = [...]                  # default: the demo's model (d=128, 3+3 layers)
+    train_args = []                     # added to every fairseq-train command
+    generate_args = []                  # added to every fairseq-generate command
+
+    [corpus]                            # an existing mlmha_fairseq.cli.build_corpus output ...
+    dir = "work-demo/corpus-fr"
+    # ... or what to build (into work_dir/corpus-<sources> unless dir is given)
+    sources = ["fr"]
+    target = "en"
+    train_verses = 10000
+    bpe_merges = 4000
+"""
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import mlmha_fairseq
+from mlmha_fairseq.cli.systems import System, lookup
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
+from mlmha_fairseq.evaluation.text_io import read_lines, write_text
+
+logger = logging.getLogger("mlmha_fairseq.experiment")
+USER_DIR = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
+POLL_SECONDS = 20
+
+# the demo's model: d=128, 3+3 layers
+MODEL = [
+    "--encoder-layers", "3", "--decoder-layers", "3",
+    "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+    "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--share-all-embeddings", "--dropout", "0.1",
+]
+
+
+class Batching(NamedTuple):
+    option: str  # the fairseq-train option that bounds a batch
+    size: int
+    unit: str
+
+
+TOKEN_BATCHES = Batching("--max-tokens", 4096, "tokens")
+
+
+class RunFailed(RuntimeError):
+    """A command of one run exited with an error; the message names its log."""
+
+
+def fairseq(tool: str, *args) -> List[str]:
+    return [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def run_command(command: List[str], log_path: str, work_dir: str,
+                on_poll: Optional[Callable[[], None]] = None) -> None:
+    """Run ``command`` with its output into ``log_path``, print and record it in
+    ``<work_dir>/commands.log``; ``on_poll`` is called every POLL_SECONDS while it runs.
+    Raises :class:`RunFailed` with the log's tail when it fails."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    line = " ".join(command)
+    logger.info("$ %s\n  (log: %s)", line, log_path)
+    with open(os.path.join(work_dir, "commands.log"), "a", encoding="utf-8") as record:
+        record.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} > {log_path}\n")
+    start = time.time()
+    with open(log_path, "a") as log:  # a resumed run adds to its log
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                returncode = process.wait(timeout=POLL_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                if on_poll:
+                    on_poll()
+    if returncode != 0:
+        with open(log_path) as log:
+            tail = log.read()[-2000:]
+        raise RunFailed(f"failed ({returncode}): {line}\n{tail}\n(full log: {log_path})")
+    logger.info("  done in %.0f s", time.time() - start)
+
+
+def build_corpus(sources: Sequence[str], target: str, corpus_dir: str, train_verses: Optional[int],
+                 bpe_merges: int, work_dir: str) -> None:
+    """The verse-aligned Bible corpus with ``mlmha_fairseq.cli.build_corpus``."""
+    options = ["--sources", *sources, "--target", target, "--out-dir", corpus_dir,
+               "--max-tokens-per-verse", "50", "--bpe-merges", str(bpe_merges)]
+    if train_verses:
+        options += ["--max-train-verses", str(train_verses)]
+    try:
+        run_command([sys.executable, "-m", "mlmha_fairseq.cli.build_corpus", *options],
+                    os.path.join(work_dir, "logs", f"corpus-{'-'.join(sources)}.log"), work_dir)
+    except RunFailed as failure:
+        sys.exit(str(failure))
+
+
+@dataclass
+class Settings:
+    """What every run of a grid shares."""
+
+    data_bin: str
+    target: str
+    max_update: int
+    beam: int = 4
+    batching: Batching = TOKEN_BATCHES
+    model_args: List[str] = field(default_factory=lambda: list(MODEL))
+    train_args: List[str] = field(default_factory=list)
+    generate_args: List[str] = field(default_factory=list)
+    average_last: int = 0
+    save_interval_updates: int = 0  # 0: max_update / 4
+
+    @property
+    def budget(self) -> str:
+        return f"{self.max_update} updates of {self.batching.size:,} {self.batching.unit} each"
+
+
+@dataclass
+class Run:
+    """One system trained with one seed, in ``directory``."""
+
+    system: System
+    seed: int
+    directory: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.system.name} (seed {self.seed})"
+
+    def path(self, *parts) -> str:
+        return os.path.join(self.directory, *parts)
+
+    @property
+    def checkpoints(self) -> str:
+        return self.path("checkpoints")
+
+    @property
+    def finished(self) -> bool:
+        return os.path.isfile(self.path("scores.json")) and os.path.isfile(self.path("hypotheses.txt"))
+
+    def hypotheses(self) -> List[str]:
+        return read_lines(self.path("hypotheses.txt"))
+
+    def scores(self) -> Dict:
+        with open(self.path("scores.json")) as handle:
+            return json.load(handle)
+
+
+def last_update(log_path: str) -> int:
+    """The last ``num_updates`` fairseq-train logged, 0 if none yet."""
+    if not os.path.isfile(log_path):
+        return 0
+    with open(log_path, errors="replace") as log:
+        found = re.findall(r"num_updates[=\s|]+(\d+)", log.read())
+    return int(found[-1]) if found else 0
+
+
+def usable_last_checkpoint(run: Run) -> None:
+    """Before a resume: fairseq writes each update checkpoint through a temporary file, but
+    copies it to ``checkpoint_last.pt`` in place, so a run stopped during that copy leaves a
+    truncated file; it is replaced by the newest update checkpoint."""
+    from fairseq.checkpoint_utils import checkpoint_paths, load_checkpoint_to_cpu
+
+    last = os.path.join(run.checkpoints, "checkpoint_last.pt")
+    if not os.path.isfile(last):
+        return
+    try:
+        load_checkpoint_to_cpu(last)
+    except Exception as error:  # any unreadable file: torch raises several kinds
+        newest = checkpoint_paths(run.checkpoints, r"checkpoint_\d+_(\d+)\.pt")
+        logger.warning("  %s is unreadable (%s); resuming from %s", last, type(error).__name__,
+                       newest[0] if newest else "scratch")
+        os.remove(last)
+        if newest:
+            shutil.copyfile(newest[0], last + ".tmp")
+            os.replace(last + ".tmp", last)
+
+
+def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
+    """fairseq-train into ``run.checkpoints``; fairseq restores ``checkpoint_last.pt`` there
+    when a previous attempt was stopped. Keeps the last update checkpoints for averaging."""
+    interval = settings.save_interval_updates or max(1, settings.max_update // 4)
+    usable_last_checkpoint(run)
+    system = run.system
+    run_command(fairseq(
+        "train", settings.data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch,
+        *settings.model_args,
+        "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "2e-3",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", max(1, settings.max_update // 5),
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        settings.batching.option, settings.batching.size, "--max-update", settings.max_update,
+        "--save-dir", run.checkpoints, "--no-epoch-checkpoints",
+        "--save-interval-updates", interval, "--keep-interval-updates", max(1, settings.average_last),
+        "--seed", run.seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
+        *settings.train_args,
+        *system.options,  # last: a system may replace the criterion
+    ), run.path("logs", "train.log"), work_dir, on_poll)
+    write_text(run.path("train.done"), "")
+
+
+def checkpoint_to_decode(run: Run, settings: Settings) -> str:
+    """checkpoint_best.pt, or the average of the last ``average_last`` update checkpoints
+    (as the papers average their last checkpoints), made once."""
+    if settings.average_last <= 0:
+        return os.path.join(run.checkpoints, "checkpoint_best.pt")
+    from mlmha_fairseq.evaluation.checkpoint_averaging import average_checkpoints, last_checkpoints, save_checkpoint
+
+    averaged = os.path.join(run.checkpoints, f"checkpoint_average_last{settings.average_last}.pt")
+    if not os.path.isfile(averaged):
+        paths = last_checkpoints(run.checkpoints, settings.average_last, kind="update")
+        logger.info("  averaging %s", ", ".join(os.path.basename(p) for p in paths))
+        save_checkpoint(average_checkpoints(paths), averaged + ".tmp")
+        os.replace(averaged + ".tmp", averaged)
+    return averaged
+
+
+def decode(run: Run, settings: Settings, checkpoint: str, output: str, work_dir: str, *extra) -> str:
+    """fairseq-generate of the test set into ``output``; returns its generate-test.txt."""
+    # --required-batch-size-multiple 1: fairseq's default of 8 drops the last test sentences
+    run_command(fairseq(
+        "generate", settings.data_bin, "--user-dir", USER_DIR, *run.system.task_options, *extra,
+        "--path", checkpoint, "--beam", settings.beam,
+        "--remove-bpe", "--batch-size", "64", "--required-batch-size-multiple", "1",
+        "--max-len-a", "1.2", "--max-len-b", "10", "--cpu", "--results-path", output,
+        *settings.generate_args,
+    ), run.path("logs", f"{os.path.basename(output)}.log"), work_dir)
+    return os.path.join(output, "generate-test.txt")
+
+
+def detokenized(generate_output: str, target: str) -> List[str]:
+    """The hypotheses of a fairseq-generate output, in input order, Moses-detokenized."""
+    return load_hypotheses(generate_output, resolve_protocol("sacrebleu"),
+                           TextOptions(input_format="generate", detokenize_lang=target))
+
+
+def execute(run: Run, settings: Settings, references: List[str], work_dir: str, on_poll=None) -> Dict:
+    """Train (unless done), decode, detokenize and score one run; write hypotheses.txt and
+    scores.json (last, so that a run is finished only once both are there)."""
+    from mlmha_fairseq.evaluation.meteor import UNAVAILABLE, corpus_meteor, load_wordnet
+
+    start = time.time()
+    if not os.path.isfile(run.path("train.done")):
+        train(run, settings, work_dir, on_poll)
+    checkpoint = checkpoint_to_decode(run, settings)
+    hypotheses = detokenized(decode(run, settings, checkpoint, run.path("generate"), work_dir), settings.target)
+    write_text(run.path("hypotheses.txt"), "\n".join(hypotheses) + "\n")
+    bleu = corpus_score(hypotheses, [references], resolve_protocol("sacrebleu"))
+    chrf = corpus_score(hypotheses, [references], resolve_protocol("chrf"))
+    wordnet = load_wordnet()
+    meteor = corpus_meteor(hypotheses, [references], wordnet)
+    scores = {"system": run.system.name, "seed": run.seed, "bleu": bleu.score, "chrf": chrf.score,
+              "meteor": meteor, "meteor_note": wordnet.reason, "bleu_signature": bleu.signature,
+              "chrf_signature": chrf.signature, "checkpoint": checkpoint, "seconds": time.time() - start}
+    write_text(run.path("scores.json"), json.dumps(scores, indent=2) + "\n")
+    logger.info("  %s: BLEU %.2f, chrF %.2f, METEOR %s", run.name, bleu.score, chrf.score,
+                UNAVAILABLE if meteor is None else f"{meteor:.2f}")
+    return scores
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+class Grid:
+    """Every run of ``systems`` x ``seeds`` under ``<work_dir>/runs``, each one skipped when
+    finished; progress lines with elapsed and estimated remaining time."""
+
+    def __init__(self, systems: Sequence[System], seeds: Sequence[int], settings: Settings, work_dir: str,
+                 folder_prefix: str = ""):
+        self.settings, self.work_dir = settings, work_dir
+        # seed by seed, so that a grid stopped half-way has pairs of runs to compare
+        self.runs = [Run(system, seed, os.path.join(work_dir, "runs", slug(f"{folder_prefix} {system.name}"),
+                                                    f"seed{seed}"))
+                     for seed in seeds for system in systems]
+        self.start = time.time()
+        self.trained_updates = 0  # in this session, for the time estimate
+        self.training_seconds = 0.0
+
+    def _progress(self, number: int, run: Run, run_start: float, first_update: int) -> None:
+        done = last_update(run.path("logs", "train.log"))
+        left = self.settings.max_update - done
+        left += sum(self.settings.max_update for later in self.runs[number:] if not later.finished)
+        updates = self.trained_updates + max(0, done - first_update)
+        seconds = self.training_seconds + time.time() - run_start
+        remaining = f"~{minutes(left * seconds / updates)}" if updates else "unknown"
+        logger.info("run %d of %d, %s: %d/%d updates; elapsed %s, remaining %s (training)", number,
+                    len(self.runs), run.name, done, self.settings.max_update, minutes(time.time() - self.start),
+                    remaining)
+
+    def execute(self, references: List[str],
+                after_run: Optional[Callable[[Run], None]] = None) -> List[Tuple[Run, str]]:
+        """Run what is not finished; return the failures as (run, message).
+        ``after_run`` is called after each finished run (e.g. extra decodings)."""
+        failures = []
+        for number, run in enumerate(self.runs, 1):
+            if run.finished:
+                logger.info("run %d of %d, %s: finished earlier, skipped", number, len(self.runs), run.name)
+            else:
+                first_update = last_update(run.path("logs", "train.log"))
+                verb = "resumes from its last checkpoint" if os.path.isfile(
+                    os.path.join(run.checkpoints, "checkpoint_last.pt")) else "starts"
+                logger.info("run %d of %d, %s: %s (%d updates, %s)", number, len(self.runs), run.name, verb,
+                            self.settings.max_update, run.directory)
+                run_start = time.time()
+                try:
+                    execute(run, self.settings, references, self.work_dir,
+                            lambda: self._progress(number, run, run_start, first_update))
+                except (RunFailed, UsageError, ValueError) as failure:
+                    logger.error("run %d of %d, %s FAILED: %s", number, len(self.runs), run.name, failure)
+                    failures.append((run, str(failure).splitlines()[0]))
+                    continue
+                finally:
+                    self.trained_updates += max(0, last_update(run.path("logs", "train.log")) - first_update)
+                    self.training_seconds += time.time() - run_start
+            if after_run:
+                try:
+                    after_run(run)
+                except (RunFailed, UsageError, ValueError) as failure:
+                    logger.error("%s: FAILED: %s", run.name, failure)
+                    failures.append((run, str(failure).splitlines()[0]))
+        return failures
+
+    def hypotheses(self) -> List[Tuple[str, Dict[int, List[str]]]]:
+        """[(system, {seed: hypotheses})] of the finished runs, in the grid's order."""
+        systems: Dict[str, Dict[int, List[str]]] = {}
+        for run in self.runs:
+            if run.finished:
+                systems.setdefault(run.system.name, {})[run.seed] = run.hypotheses()
+        return list(systems.items())
+
+
+def report_failures(failures: List[Tuple[Run, str]]) -> None:
+    if failures:
+        logger.error("%d run(s) failed (the others completed; rerun to retry them):", len(failures))
+        for run, message in failures:
+            logger.error("  %s: %s", run.name, message)
+
+
+# ---------------------------------------------------------------------------------------------
+# the configuration file
+
+
+def seeds_from(value, where: str) -> List[int]:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return list(range(1, value + 1))
+    if isinstance(value, list) and value and all(isinstance(s, int) for s in value):
+        return value
+    raise UsageError(f"{where}: seeds must be a positive count or a list of integers, got {value!r}")
+
+
+def system_from(entry, where: str) -> System:
+    """A registry name, or a table {name, base | arch, args}."""
+    try:
+        if isinstance(entry, str):
+            return lookup(entry)
+        if isinstance(entry, dict) and "name" in entry:
+            args = [str(a) for a in entry.get("args", [])]
+            if "base" in entry:
+                base = lookup(entry["base"])
+                return System(entry["name"], base.arch, base.options + args, task_options=base.task_options,
+                              sources=base.sources)
+            if "arch" in entry:
+                return System(entry["name"], entry["arch"], args)
+    except KeyError as error:
+        raise UsageError(f"{where}: {error.args[0]}") from None
+    raise UsageError(f"{where}: a system is a registry name or a table with name and base or arch, got {entry!r}")
+
+
+@dataclass
+class Experiment:
+    systems: List[System]
+    seeds: List[int]
+    work_dir: str
+    corpus: Dict
+    settings: Dict
+    baseline: str
+
+
+KNOWN_KEYS = {"work_dir", "seeds", "baseline", "systems", "max_update", "beam", "max_tokens", "batch_size",
+              "average_last", "save_interval_updates", "model_args", "train_args", "generate_args", "corpus"}
+
+
+def load_config(path: str) -> Experiment:
+    import tomllib
+
+    if not os.path.isfile(path):
+        raise UsageError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as handle:
+            config = tomllib.load(handle)
+    except tomllib.TOMLDecodeError as error:
+        raise UsageError(f"{path}: not valid TOML: {error}") from None
+    unknown = sorted(set(config) - KNOWN_KEYS)
+    if unknown:
+        raise UsageError(f"{path}: unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
+    if not config.get("systems"):
+        raise UsageError(f"{path}: 'systems' must list at least one system")
+    systems = [system_from(entry, path) for entry in config["systems"]]
+    names = [system.name for system in systems]
+    baseline = config.get("baseline", names[0])
+    if baseline not in names:
+        try:
+            baseline = lookup(baseline).name
+        except KeyError:
+            pass
+    if baseline not in names:
+        raise UsageError(f"{path}: baseline {baseline!r} is not one of the systems {names}")
+    systems.sort(key=lambda system: system.name != baseline)  # the baseline first
+    corpus = config.get("corpus")
+    if not isinstance(corpus, dict) or not (corpus.get("dir") or corpus.get("sources")):
+        raise UsageError(f"{path}: [corpus] needs dir (an existing build_corpus output) or sources to build")
+    return Experiment(systems, seeds_from(config.get("seeds", 1), path),
+                      config.get("work_dir", f"work-{os.path.splitext(os.path.basename(path))[0]}"),
+                      corpus, config, baseline)
+
+
+def settings_from(experiment: Experiment, data_bin: str, target: str, max_update: Optional[int]) -> Settings:
+    config = experiment.settings
+    if "batch_size" in config:
+        batching = Batching("--batch-size", int(config["batch_size"]), "sentences")
+    else:
+        batching = Batching("--max-tokens", int(config.get("max_tokens", TOKEN_BATCHES.size)), "tokens")
+    return Settings(
+        data_bin=data_bin, target=target, max_update=int(max_update or config.get("max_update", 400)),
+        beam=int(config.get("beam", 4)), batching=batching,
+        model_args=[str(a) for a in config.get("model_args", MODEL)],
+        train_args=[str(a) for a in config.get("train_args", [])],
+        generate_args=[str(a) for a in config.get("generate_args", [])],
+        average_last=int(config.get("average_last", 0)),
+        save_interval_updates=int(config.get("save_interval_updates", 0)),
+    )
+
+
+def prepare_corpus(corpus: Dict, work_dir: str) -> Tuple[str, str]:
+    """The corpus folder (built unless it exists) and its target language."""
+    from mlmha_fairseq.corpus.builder import MANIFEST
+
+    target = corpus.get("target", "en")
+    directory = corpus.get("dir") or os.path.join(work_dir, "corpus-" + "-".join(corpus["sources"]))
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        if not corpus.get("sources"):
+            raise UsageError(f"[corpus] dir {directory} has no {MANIFEST}: build it with "
+                             "python -m mlmha_fairseq.cli.build_corpus, or give sources to build it here")
+        build_corpus(corpus["sources"], target, directory, corpus.get("train_verses"),
+                     int(corpus.get("bpe_merges", 4000)), work_dir)
+    return directory, target
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="TOML file: systems, seeds, corpus, budget (see the module's docstring)")
+    parser.add_argument("--seeds", type=int, help="run seeds 1..N (overrides the file's seeds)")
+    parser.add_argument("--work-dir", help="overrides the file's work_dir")
+    parser.add_argument("--max-update", type=int, help="overrides the file's max_update")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the table of the runs finished so far; train nothing")
+    parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials")
+    parser.add_argument("--bootstrap-samples", type=int, default=1000,
+                        help="bootstrap resamples for s_sel and the paired bootstrap")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
+
+    args = parse_args(argv)
+    logging.basicConfig(format="[experiment %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    try:
+        experiment = load_config(args.config)
+        if args.seeds is not None:
+            experiment.seeds = seeds_from(args.seeds, "--seeds")
+    except UsageError as error:
+        print(f"experiment: error: {error}", file=sys.stderr)
+        return 2
+    work_dir = args.work_dir or experiment.work_dir
+    os.makedirs(work_dir, exist_ok=True)
+    corpus, target = prepare_corpus(experiment.corpus, work_dir)
+    settings = settings_from(experiment, os.path.join(corpus, "data-bin"), target, args.max_update)
+    references = read_lines(os.path.join(corpus, "text", f"test.raw.{target}"))
+    grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
+    logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
+                len(grid.runs), settings.budget, work_dir)
+    failures = [] if args.report_only else grid.execute(references)
+    systems = grid.hypotheses()
+    if systems and systems[0][0] == experiment.baseline:
+        report = build_report(systems, [references],
+                              ReplicateOptions(args.bootstrap_samples, args.ar_trials))
+        table = write_report(report, os.path.join(work_dir, "results"), settings.budget,
+                             os.path.basename(args.config))
+        print("\n" + table)
+        logger.info("results: %s.{md,tex,json,png}", os.path.join(work_dir, "results"))
+    else:
+        logger.error("no finished run of the baseline %s: no table", experiment.baseline)
+    report_failures(failures)
+    logger.info("finished in %s", minutes(time.time() - grid.start))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

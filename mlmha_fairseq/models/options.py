@@ -1,0 +1,122 @@
+"""The options of the mechanisms, declared once.
+
+A mechanism declares its command-line options as :class:`Option` entries of a
+:class:`Mechanism`, together with the switch that turns it on. From that one declaration
+come the ``argparse`` options (:meth:`Mechanism.add_args`), the defaults for options a
+user or an older checkpoint did not give (:meth:`Mechanism.set_defaults`: each default is
+written once, in its :class:`Option`), the check that no option is set while its
+mechanism is off (:func:`check_options`, run when a model is built) and the option listing
+of ``python -m mlmha_fairseq.cli.options``.
+
+"Set" means "differs from the option's default", so that the arguments stored in a
+checkpoint, which hold every default, pass the check, and a preset that sets a default of
+a mechanism it does not turn on would be refused like a user (none does:
+``tests/test_options.py`` checks every preset).
+"""
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from ..errors import UsageError
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Switch:
+    """What turns a mechanism (or a part of it) on: its command-line spelling for error
+    messages (e.g. ``--decoder-cross-attention multi-layer``) and a test of ``args``."""
+
+    text: str
+    is_on: Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option: its flag, further spellings (``aliases``), its default,
+    its help and the remaining ``argparse`` settings (``type``, ``choices``, ``action``,
+    ``metavar``). ``needs``: the switch this option depends on, when narrower than its
+    mechanism's (e.g. the SA-only options of MLRF); ``is_switch``: the option turns its
+    mechanism on itself, so the set-while-off check skips it; ``none_means``: for a default
+    of None, the value it stands for in a model of ``args`` (shown by the option listing)."""
+
+    flag: str
+    default: Any
+    help: str
+    aliases: Tuple[str, ...] = ()
+    argparse: Mapping[str, Any] = field(default_factory=dict)
+    needs: Optional[Switch] = None
+    is_switch: bool = False
+    none_means: Optional[Callable[[Any], Any]] = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def is_flag(self) -> bool:
+        return self.argparse.get("action") in ("store_true", "store_false")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """A mechanism's name, its switch and its options."""
+
+    name: str
+    switch: Switch
+    options: Tuple[Option, ...]
+    slot_wide: bool = True  # options of every slot model; else added by one model's add_args
+
+    def add_args(self, parser):
+        for option in self.options:
+            parser.add_argument(option.flag, *option.aliases, dest=option.dest, help=option.help,
+                                **option.argparse)
+
+    def set_defaults(self, args):
+        """Fill the options ``args`` lacks (like fairseq's architecture functions)."""
+        for option in self.options:
+            setattr(args, option.dest, getattr(args, option.dest, option.default))
+
+    def check(self, args):
+        """A :class:`~mlmha_fairseq.errors.UsageError` naming the first option that is set
+        while what it needs is off."""
+        for option in self.options:
+            if option.is_switch:
+                continue
+            value = getattr(args, option.dest, _MISSING)
+            if value is _MISSING or value == option.default:
+                continue
+            needs = option.needs or self.switch
+            if not needs.is_on(args):
+                given = option.flag if option.is_flag else f"{option.flag} {value}"
+                raise UsageError(f"{given} needs {needs.text}, which is off: the option applies to "
+                                 f"{self.name} and would be ignored; turn it on or leave "
+                                 f"{option.flag} out")
+
+
+MECHANISMS: Dict[str, Mechanism] = {}
+
+
+def register_mechanism(mechanism: Mechanism) -> Mechanism:
+    if mechanism.name in MECHANISMS:
+        raise ValueError(f"mechanism {mechanism.name!r} registered twice")
+    MECHANISMS[mechanism.name] = mechanism
+    return mechanism
+
+
+def check_options(args):
+    """Every mechanism's set-while-off check, for the options ``args`` has."""
+    for mechanism in MECHANISMS.values():
+        mechanism.check(args)
+
+
+def option_of(dest: str) -> Optional[Tuple[Mechanism, Option]]:
+    """The mechanism and declaration of the option stored as ``dest``, or None."""
+    for mechanism in MECHANISMS.values():
+        for option in mechanism.options:
+            if option.dest == dest:
+                return mechanism, option
+    return None
+
+
+def slot_wide_mechanisms() -> List[Mechanism]:
+    return [mechanism for mechanism in MECHANISMS.values() if mechanism.slot_wide]

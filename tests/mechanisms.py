@@ -1,0 +1,120 @@
+"""Every mechanism of the package as a tiny translation model, and the precision checks
+that tests/test_half_precision.py (CPU, in CI) and tests/test_cuda.py (GPU) run on them."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_helpers import build_model, full_logits, random_batch
+
+from mlmha_fairseq.modules.multi_layer_attention import MultiLayerMultiheadAttention, parse_variant
+
+# The GPU tier: ``pytest -m cuda`` on a machine with a GPU; skipped, with this reason, elsewhere.
+CUDA_MARKS = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `pytest -m cuda` on one"),
+]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
+HALF_TYPES = [torch.bfloat16, torch.float16]
+VARIANTS = ["M-00", "M-01", "M-10", "M-11"]
+
+# Stated tolerances of a half-precision run against fp32 of the same weights, about three
+# times the largest deviation measured over all mechanisms at the test size on CPU (bf16
+# keeps 8 mantissa bits, fp16 11). Incremental decoding against the full forward in half
+# precision uses ``logits_atol`` too: the two computations round differently.
+TOLERANCES = {
+    torch.bfloat16: dict(logits_atol=0.1, loss_rtol=5e-3, min_grad_cosine=0.998),
+    torch.float16: dict(logits_atol=0.015, loss_rtol=1e-3, min_grad_cosine=0.9995),
+}
+
+# name -> options on top of TINY_MODEL_ARGS (the first is the architecture); the same
+# systems as the benchmark's table, at the test size.
+MECHANISMS = {
+    "slot_transformer": ["slot_transformer"],
+    **{f"mlmha {v}": ["slot_transformer", "--decoder-cross-attention", "multi-layer", "--mlmha-variant", v]
+       for v in VARIANTS},
+    **{f"aggregation {a}": ["slot_transformer", "--layer-aggregation", a]
+       for a in ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")},
+    "mlrf Enc-FNN": ["slot_transformer", "--mlrf-encoder-fusion", "fnn"],
+    "mlrf Dec-SA": ["slot_transformer", "--mlrf-decoder-fusion", "sa", "--mlrf-indep-w1"],
+    "mma": ["slot_transformer", "--encoder-self-attention", "mixed", "--encoder-attention-heads", "4"],
+    "dc full": ["slot_transformer", "--dc-encoder-layers", "all", "--dc-decoder-layers", "all"],
+    "MS-12 + AIF": ["ms_transformer", "--aux-decoder-layers", "1,2", "--aux-fusion"],
+}
+
+
+def build(name, device="cpu", dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    arch, *options = MECHANISMS[name]
+    model = build_model(arch, *options)
+    return model.to(device=device, dtype=dtype).eval(), model.decoder.dictionary
+
+
+def loss_and_gradients(model, dictionary, left_pad=True):
+    """Teacher-forced cross-entropy of a padded batch (fp32 reduction), its logits and the
+    gradient of every parameter, flattened into one fp32 vector."""
+    src, lengths, prev = random_batch(dictionary, left_pad=left_pad)
+    device = next(model.parameters()).device
+    src, lengths, prev = src.to(device), lengths.to(device), prev.to(device)
+    model.zero_grad()
+    logits = full_logits(model, src, lengths, prev)
+    target = torch.roll(prev, -1, dims=1)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+    loss.backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    return loss.detach().float().cpu(), logits.detach().float().cpu(), grads.cpu()
+
+
+def assert_close_to_fp32(reference, candidate, logits_atol, loss_rtol, min_grad_cosine):
+    """``candidate`` (a half-precision run) agrees with ``reference`` (the fp32 run of the
+    same weights): logits within ``logits_atol``, the loss within ``loss_rtol`` relative,
+    and the gradient pointing the same way (cosine similarity)."""
+    ref_loss, ref_logits, ref_grads = reference
+    loss, logits, grads = candidate
+    assert torch.isfinite(logits).all() and torch.isfinite(grads).all()
+    torch.testing.assert_close(logits, ref_logits, atol=logits_atol, rtol=0)
+    torch.testing.assert_close(loss, ref_loss, atol=0, rtol=loss_rtol)
+    assert grads.numel() == ref_grads.numel()
+    cosine = F.cosine_similarity(grads, ref_grads, dim=0).item()
+    assert cosine >= min_grad_cosine, f"gradient cosine {cosine:.4f} < {min_grad_cosine}"
+
+
+def short_and_padded_batch(dictionary, left_pad):
+    """Four sources of lengths 1 (EOS alone), 2, 5 and 7, padded on one side."""
+    lengths = torch.tensor([1, 2, 5, 7])
+    src = torch.full((4, 7), dictionary.pad())
+    gen = torch.Generator().manual_seed(0)
+    for row, length in enumerate(lengths.tolist()):
+        words = torch.randint(dictionary.nspecial, len(dictionary), (length,), generator=gen)
+        words[-1] = dictionary.eos()
+        if left_pad:
+            src[row, 7 - length:] = words
+        else:
+            src[row, :length] = words
+    prev = torch.randint(dictionary.nspecial, len(dictionary), (4, 5), generator=gen)
+    prev[:, 0] = dictionary.eos()
+    return src, lengths, prev
+
+
+def padded_logits(model, dictionary, left_pad):
+    device = next(model.parameters()).device
+    src, lengths, prev = short_and_padded_batch(dictionary, left_pad)
+    with torch.no_grad():
+        return full_logits(model, src.to(device), lengths.to(device), prev.to(device)).float().cpu()
+
+
+def mlmha_with_a_fully_padded_row(variant, device, dtype):
+    """MLMHA's output and query gradient (training mode, with and without weights) for a
+    batch whose first source is padding only."""
+    torch.manual_seed(0)
+    joint, concat = parse_variant(variant)
+    module = MultiLayerMultiheadAttention(16, 4, 3, joint, concat, bias=True).to(device=device, dtype=dtype).train()
+    query = torch.randn(4, 3, 16, device=device, dtype=dtype, requires_grad=True)
+    taps = torch.randn(3, 6, 3, 16, device=device, dtype=dtype)
+    mask = torch.arange(6, device=device)[None, :] >= torch.tensor([0, 6, 4], device=device)[:, None]
+    results = []
+    for need_weights in (False, True):
+        out, _ = module(query, taps, taps, key_padding_mask=mask, need_weights=need_weights)
+        (grad,) = torch.autograd.grad(out.float().sum(), query)
+        results.append((out, grad))
+    return module, results

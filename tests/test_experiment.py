@@ -1,0 +1,105 @@
+"""The experiment runner end to end on the tiny Bible: a 2-system x 2-seed grid completes and
+its failing run is reported, a rerun skips every finished run, a stopped run resumes."""
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mlmha_fairseq.cli import experiment
+from test_demo import tiny_corpus
+
+GRID = """
+work_dir = "{work}"
+seeds = 2
+systems = ["transformer", "MLMHA M-00", {{ name = "broken", arch = "transformer", args = ["--no-such-option"] }}]
+max_update = 2
+beam = 1
+[corpus]
+dir = "{corpus}"
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Built before the tests' logs are captured (the corpus builder configures logging)."""
+    return tiny_corpus(tmp_path_factory.mktemp("tiny"), "fr")
+
+
+def commands(work):
+    return (work / "commands.log").read_text().splitlines()
+
+
+def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, caplog, corpus):
+    work, config = tmp_path / "work", tmp_path / "grid.toml"
+    config.write_text(GRID.format(work=work, corpus=corpus))
+    test_sentences = len(open(os.path.join(corpus, "text", "test.raw.en")).read().splitlines())
+    arguments = [str(config), "--ar-trials", "50", "--bootstrap-samples", "20"]
+    caplog.set_level(logging.INFO)
+
+    assert experiment.main(arguments) == 1  # the broken system fails, the others complete
+    assert "broken (seed 1) FAILED" in caplog.text and "2 run(s) failed" in caplog.text
+    results = json.loads((work / "results.json").read_text())
+    assert [(row["name"], row["seeds"]) for row in results["systems"]] == [
+        ("Transformer (fairseq)", [1, 2]), ("MLMHA M-00", [1, 2])]
+    assert results["systems"][1]["ar_seeds"] == [1, 2]
+    for suffix in ("md", "tex", "png"):
+        assert (work / f"results.{suffix}").stat().st_size > 0
+    for run in ("transformer--fairseq/seed1", "mlmha-m-00/seed2"):
+        scores = json.loads((work / "runs" / run / "scores.json").read_text())
+        assert {"bleu", "chrf", "meteor"} <= set(scores)
+        assert len((work / "runs" / run / "hypotheses.txt").read_text().splitlines()) == test_sentences
+    first = commands(work)
+    assert sum("fairseq_cli.train" in line for line in first) == 6  # 4 runs and 2 failed attempts
+    assert sum("fairseq_cli.generate" in line for line in first) == 4
+
+    caplog.clear()
+    assert experiment.main(arguments) == 1
+    assert caplog.text.count("finished earlier, skipped") == 4
+    again = commands(work)[len(first):]
+    assert len(again) == 2 and all("--no-such-option" in line for line in again)  # only the failed runs
+
+    (work / "results.json").unlink()
+    assert experiment.main(arguments + ["--report-only"]) == 0  # the table of what finished, no training
+    assert len(commands(work)) == len(first) + 2
+    assert [row["name"] for row in json.loads((work / "results.json").read_text())["systems"]] == [
+        "Transformer (fairseq)", "MLMHA M-00"]
+
+
+def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
+    work, config = tmp_path / "work", tmp_path / "grid.toml"
+    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 30\nbeam = 1\n'
+                      f'save_interval_updates = 1\n[corpus]\ndir = "{corpus}"\n')
+    run_dir = work / "runs" / "transformer--fairseq" / "seed1"
+    process = subprocess.Popen([sys.executable, "-m", "mlmha_fairseq.cli.experiment", str(config)],
+                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while "Saved checkpoint" not in _text(run_dir / "logs" / "train.log"):
+        assert process.poll() is None and time.time() < deadline, "training never saved a checkpoint"
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGKILL)  # the runner and its fairseq-train, mid-training
+    process.wait()
+    assert not (run_dir / "scores.json").exists()
+
+    assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    assert "Loaded checkpoint" in _text(run_dir / "logs" / "train.log")  # the second attempt's
+    assert experiment.last_update(str(run_dir / "logs" / "train.log")) == 30
+    assert (run_dir / "scores.json").exists()
+
+
+def _text(path):
+    return path.read_text() if path.exists() else ""
+
+
+def test_a_truncated_last_checkpoint_is_replaced_by_the_newest_update_checkpoint(tmp_path):
+    run = experiment.Run(experiment.lookup("transformer"), 1, str(tmp_path))
+    os.makedirs(run.checkpoints)
+    for name, content in (("checkpoint_last.pt", b"truncat"), ("checkpoint_1_5.pt", b"five"),
+                          ("checkpoint_1_10.pt", b"ten")):
+        (tmp_path / "checkpoints" / name).write_bytes(content)
+    experiment.usable_last_checkpoint(run)
+    assert (tmp_path / "checkpoints" / "checkpoint_last.pt").read_bytes() == b"ten"

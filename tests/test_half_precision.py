@@ -1,0 +1,72 @@
+"""Half precision: every mechanism's forward and backward with the model cast to bfloat16 or
+float16 agree with fp32 of the same weights, stay finite with length-1 sources, either
+padding side and fully padded rows, and incremental decoding keeps matching the full
+forward. On CPU (torch runs both types there) these run in CI; the ``cuda`` copies run on a
+GPU (``pytest -m cuda``). ``--bf16`` training runs end to end on CPU."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_helpers import assert_incremental_matches_full, generate, hypotheses_and_references, train_args
+from mechanisms import (
+    DEVICES, HALF_TYPES, MECHANISMS, TOLERANCES, VARIANTS, assert_close_to_fp32, build, loss_and_gradients,
+    mlmha_with_a_fully_padded_row, padded_logits,
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=str)
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_forward_backward_in_half_precision_agree_with_fp32(name, dtype, device):
+    reference = loss_and_gradients(*build(name, device))
+    candidate = loss_and_gradients(*build(name, device, dtype))
+    assert_close_to_fp32(reference, candidate, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=str)
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_short_sources_and_either_padding_side_stay_finite_in_half_precision(name, dtype, device):
+    model, dictionary = build(name, device, dtype)
+    left, right = padded_logits(model, dictionary, left_pad=True), padded_logits(model, dictionary, left_pad=False)
+    assert torch.isfinite(left).all() and torch.isfinite(right).all()
+    torch.testing.assert_close(left, right, atol=TOLERANCES[dtype]["logits_atol"], rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=str)
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_incremental_decoding_matches_full_forward_in_half_precision(name, dtype, device):
+    model, dictionary = build(name, device, dtype)
+    assert_incremental_matches_full(model, dictionary, atol=TOLERANCES[dtype]["logits_atol"], rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fully_padded_row_stays_finite_in_half_precision(variant, dtype, device):
+    module, results = mlmha_with_a_fully_padded_row(variant, device, dtype)
+    for out, grad in results:
+        assert out.dtype == dtype
+        assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+        # no context for the empty row: its output is the output projection's bias alone
+        torch.testing.assert_close(out[:, 0], module.out_proj.bias.expand(4, 16), atol=0, rtol=0)
+
+
+def test_bf16_training_round_trip_on_cpu(data_bin, tmp_path):
+    """``python -m mlmha_fairseq.cli.train --cpu --bf16`` trains in bfloat16 (fairseq-train
+    itself turns --bf16 into --tpu) and its checkpoint decodes."""
+    args = train_args(data_bin, tmp_path, "slot_transformer", "--decoder-cross-attention", "multi-layer", "--bf16")
+    result = subprocess.run([sys.executable, "-m", "mlmha_fairseq.cli.train", *map(str, args)],
+                            capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **os.environ})
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=False)
+    assert state["cfg"]["common"]["bf16"] and not state["cfg"]["common"]["tpu"]
+    # fairseq's wrapper of the optimizer that keeps fp32 master weights for a half-precision model
+    assert state["optimizer_history"][-1]["optimizer_name"] == "FP16Optimizer"
+    assert state["optimizer_history"][-1]["num_updates"] == 3
+    hyps, refs = hypotheses_and_references(generate(data_bin, tmp_path / "checkpoint_last.pt"))
+    assert len(hyps) == len(refs) == 16

@@ -1,0 +1,92 @@
+"""The mechanism modules used on their own (as a user composing them outside the package's
+models would): their defaults and their errors. These pin behaviour the model-level tests
+cannot see, because the models always pass every argument."""
+import pytest
+import torch
+
+from mlmha_fairseq.modules.auxiliary_information_fusion import AuxiliaryInformationFusion
+from mlmha_fairseq.modules.dual_contextual import DualContextual, LocalContextualUnit
+
+
+def test_aif_default_has_no_dropout_on_the_fused_vector():
+    """Thesis §4 mentions no dropout around the fusion: by default ``z^f = [f^1; ...] W``
+    exactly, also in training mode."""
+    fusion = AuxiliaryInformationFusion(embed_dim=8, num_aux=2).train()
+    features = torch.randn(3, 2, 16)
+    torch.testing.assert_close(fusion(features), features @ fusion.proj.weight.t())
+
+
+def test_aif_needs_an_auxiliary_decoder():
+    with pytest.raises(ValueError, match="AIF needs at least one auxiliary decoder, got 0"):
+        AuxiliaryInformationFusion(embed_dim=8, num_aux=0)
+
+
+def global_attention_probabilities(module, r):
+    """softmax(Q K^T / sqrt(d_k)) of the self-attention FI unit h_g = FI(r, r) (thesis
+    Eq. 5.6), per head: B x H x T x T; ``r``: T x B x C."""
+    unit = module.global_interaction
+    bsz, heads = r.size(1), module.num_heads
+    x = r.transpose(0, 1)  # B x T x C
+    q = (x @ unit.q_proj.weight.t()).view(bsz, -1, heads, module.head_dim).transpose(1, 2)
+    k = (x @ unit.k_proj.weight.t()).view(bsz, -1, heads, module.head_dim).transpose(1, 2)
+    return torch.softmax(q @ k.transpose(-1, -2) / module.head_dim ** 0.5, dim=-1)
+
+
+def test_dual_contextual_returns_the_global_unit_attention_only_when_asked():
+    """Called as fairseq calls a self-attention: no weights unless ``need_weights``; then the
+    weights of h_g = FI(r, r), averaged over heads (fairseq's format) or per head."""
+    torch.manual_seed(0)
+    module = DualContextual(embed_dim=8, num_heads=2, kernel_size=2, causal=False).eval()
+    r = torch.randn(5, 3, 8)
+    assert module(r, r, r)[1] is None
+    assert module(r, r, r, need_weights=False)[1] is None
+    expected = global_attention_probabilities(module, r)
+    torch.testing.assert_close(module(r, r, r, need_weights=True)[1], expected.mean(dim=1))
+    torch.testing.assert_close(module(r, r, r, need_weights=True, need_head_weights=True)[1],
+                               expected.transpose(0, 1))
+
+
+def test_dual_contextual_exposes_the_self_attention_cache_to_fairseqs_decoder_layer():
+    """fairseq's decoder layer reads ``self_attn._get_input_buffer(state)["prev_key"]``: the
+    keys of the self-attention unit so far, B x H x T x d_k."""
+    module = DualContextual(embed_dim=8, num_heads=2, kernel_size=3, causal=True).eval()
+    state = {}
+    for step in range(3):
+        r = torch.randn(1, 4, 8)
+        module(r, r, r, incremental_state=state)
+        assert module._get_input_buffer(state)["prev_key"].shape == (4, 2, step + 1, 4)
+
+
+def dual_contextual(**options):
+    torch.manual_seed(0)
+    return DualContextual(embed_dim=8, num_heads=2, kernel_size=3, causal=False, **options)
+
+
+def test_dual_contextual_and_its_local_unit_default_to_no_dropout():
+    r = torch.randn(5, 3, 8)
+    module = dual_contextual()
+    torch.testing.assert_close(module.train()(r, r, r)[0], module.eval()(r, r, r)[0])
+    local = LocalContextualUnit(embed_dim=8, kernel_size=2, causal=False)
+    torch.testing.assert_close(local.train()(r), local.eval()(r))
+
+
+def test_dual_contextual_dropout_applies_to_the_local_units_r_hat():
+    """``dropout`` = 1 drops all of ``r_hat`` in training (thesis Eq. 5.4 with dropout before
+    the residual): ``l_c = LN(r)``, as with a convolution that outputs zeros."""
+    r = torch.randn(5, 3, 8)
+    dropped = dual_contextual(dropout=1.0).train()
+    silent = dual_contextual().eval()
+    with torch.no_grad():
+        silent.local_unit.conv.weight.zero_()
+        silent.local_unit.conv.bias.zero_()
+    torch.testing.assert_close(dropped(r, r, r)[0], silent(r, r, r)[0])
+
+
+def test_dual_contextual_attention_dropout_applies_to_both_interaction_units():
+    """``attention_dropout`` = 1 drops every attention weight of h_l and h_g in training,
+    leaving ``z_hat = b_z``."""
+    r = torch.randn(5, 3, 8)
+    module = dual_contextual(attention_dropout=1.0).train()
+    with torch.no_grad():
+        module.merge_bias.copy_(torch.arange(8.0))
+    torch.testing.assert_close(module(r, r, r)[0], torch.arange(8.0).expand(5, 3, 8))

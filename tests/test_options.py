@@ -1,0 +1,136 @@
+"""Mechanism options: declared once (mlmha_fairseq.models.options), refused while their
+mechanism is off, listed per preset by ``python -m mlmha_fairseq.cli.options``."""
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+from fairseq import options
+from fairseq.models import ARCH_CONFIG_REGISTRY
+
+from fairseq_helpers import TINY_MODEL_ARGS, USER_DIR, build_model, toy_dictionary
+from mlmha_fairseq.cli.options import list_options, package_archs
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.models.options import MECHANISMS, check_options
+from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
+
+# The model of each mechanism, and options that turn off what its default turns on.
+MECHANISM_MODELS = {
+    "MLMHA": ("slot_transformer", []),
+    "layer aggregation": ("slot_transformer", []),
+    "the collected encoder layers of MLMHA and layer aggregation": ("slot_transformer", []),
+    "MMA": ("slot_transformer", []),
+    "encoder without positions": ("slot_transformer", []),
+    "the Dual Contextual module": ("slot_transformer", []),
+    "MLRF": ("slot_transformer", []),
+    "multi-level supervision": ("ms_transformer", ["--aux-decoder-layers", "none"]),
+    "the multi-source input combination": ("multi_source_transformer", []),
+}
+
+
+def set_value(option):
+    """Command-line arguments that give ``option`` a value other than its default."""
+    if option.is_flag:
+        return [option.flag]
+    choices = option.argparse.get("choices")
+    if choices:
+        return [option.flag, next(c for c in choices if c != option.default)]
+    if option.argparse.get("type") in (int, float):
+        return [option.flag, str((option.default or 1) + 1)]
+    return [option.flag, {"--mma-heads": "G,L", "--mma-layers": "1", "--decode-from": "aux:1"}[option.flag]]
+
+
+def build(arch, *extra):
+    if arch != "multi_source_transformer":
+        return build_model(arch, *extra)
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "unused-data-dir", "--task", "multi_source_translation", "--user-dir", USER_DIR, "--arch", arch,
+        *TINY_MODEL_ARGS, "--source-langs", "a,b", "--target-lang", "tgt", *extra])
+    return MultiSourceTranslationTask(args, toy_dictionary(), {}).build_model(args)
+
+
+CASES = [(mechanism, option) for mechanism in MECHANISMS.values() for option in mechanism.options
+         if not option.is_switch]
+
+
+def test_every_mechanism_has_a_model_here():
+    assert set(MECHANISMS) == set(MECHANISM_MODELS)
+
+
+@pytest.mark.parametrize("mechanism, option", CASES, ids=[option.flag for _, option in CASES])
+def test_an_option_set_while_its_mechanism_is_off_is_refused(mechanism, option):
+    arch, off = MECHANISM_MODELS[mechanism.name]
+    needs = option.needs or mechanism.switch
+    with pytest.raises(UsageError) as error:
+        build(arch, *off, *set_value(option))
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(option.flag) and f"needs {needs.text}" in message
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--mlmha-top-n", "2"], "--mlmha-top-n 2 needs --decoder-cross-attention multi-layer or --layer-aggregation"),
+    (["--layer-aggregation", "transparent", "--mlmha-mask-encoder-layer", "2"], "--mlmha-mask-encoder-layer 2 needs"),
+    (["--mma-heads", "G,L"], "--mma-heads G,L needs --encoder-self-attention mixed"),
+    (["--mma-local-window", "3"], "--mma-local-window 3 needs --encoder-self-attention mixed"),
+    (["--mlrf-decoder-fusion", "fnn", "--mlrf-hops", "2"], "--mlrf-hops 2 needs SA fusion"),
+    (["--mlrf-encoder-fusion", "avg", "--mlrf-indep-w1"], "--mlrf-indep-w1 needs SA fusion"),
+    (["--decoder-cross-attention", "multi-layer", "--mlmha-top-n", "0"], "--mlmha-top-n 0 needs 1 <= n <= 3"),
+    (["--layer-aggregation", "s-agg", "--top-encoder-layers", "0"], "--mlmha-top-n 0 needs 1 <= n <= 3"),
+])
+def test_the_options_that_were_silently_ignored(extra, message):
+    with pytest.raises(UsageError, match=message):
+        build_model("slot_transformer", *extra)
+
+
+def test_empty_aux_decoder_layers_are_refused():
+    with pytest.raises(UsageError, match="--aux-decoder-layers '': give the encoder layers"):
+        build_model("ms_transformer", "--aux-decoder-layers", "")
+
+
+def test_new_spellings_set_the_shared_options():
+    model = build_model("slot_transformer", "--layer-aggregation", "s-agg", "--top-encoder-layers", "2",
+                        "--mask-encoder-layer", "3")
+    collector = model.encoder.memories["layer_aggregation"].collector
+    assert collector.num_taps == 2 and collector.zeroed_layer == 3
+
+
+@pytest.mark.parametrize("arch", package_archs())
+def test_presets_set_no_option_of_a_mechanism_they_leave_off(arch):
+    args = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[arch](args)
+    check_options(args)
+
+
+def test_decoder_self_attention_stays_parseable_but_is_not_offered():
+    model = build_model("slot_transformer", "--decoder-self-attention", "standard")
+    assert type(model.decoder.layers[0].self_attn).__name__ == "MultiheadAttention"
+    assert "--decoder-self-attention" not in {row["option"] for row in list_options("slot_transformer")}
+
+
+def test_option_listing_shows_the_preset_defaults():
+    rows = {row["dest"]: row for row in list_options("mlmha_transformer_iwslt")}
+    assert rows["mlmha_top_n"]["default"] == 4
+    assert rows["mlmha_top_n"]["option"] == "--mlmha-top-n, --top-encoder-layers"
+    assert rows["decoder_cross_attention"]["default"] == "multi-layer"
+    assert rows["mlmha_variant"]["mechanism"] == "MLMHA"
+    assert "encoder_layers" not in rows  # fairseq's own options are left out
+    wmt = {row["dest"]: row for row in list_options("mlmha_transformer_wmt_en_de")}
+    assert wmt["mlmha_top_n"]["default"] == 6 and wmt["mlmha_variant"]["default"] == "M-10"
+    ms = {row["option"]: row for row in list_options("ms_transformer_iwslt")}
+    assert ms["--aux-decoder-layers"]["default"] == "3" and ms["--aux-fusion"]["default"] is True
+    assert ms["--no-aux-fusion"]["default"] is False  # the flag is not given
+
+
+def test_option_listing_command_line():
+    result = subprocess.run([sys.executable, "-m", "mlmha_fairseq.cli.options", "--arch",
+                             "mlmha_transformer_iwslt", "--format", "json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rows = {row["dest"]: row for row in json.loads(result.stdout)}
+    assert rows["mlmha_top_n"]["default"] == 4
+    result = subprocess.run([sys.executable, "-m", "mlmha_fairseq.cli.options", "--arch", "nope"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].endswith("--arch nope: not an architecture of this "
+                                                          "package; choose one of " + ", ".join(package_archs()))
