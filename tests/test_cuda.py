@@ -9,7 +9,7 @@ import torch
 
 from fairseq_helpers import full_logits, random_batch, run_fairseq, train_args
 from mechanisms import CUDA_MARKS, MECHANISMS, build
-from test_cli_roundtrip import PACKAGE_ARCHS
+from test_learning import PACKAGE_ARCHS
 
 pytestmark = CUDA_MARKS
 
