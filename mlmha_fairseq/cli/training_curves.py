@@ -7,7 +7,7 @@ output), then::
     python -m mlmha_fairseq.cli.training_curves baseline.log both_fnn_sa.log \
         --names Transformer Both-FNN-SA --output-prefix results/accuracy
 """
-from mlmha_fairseq.evaluation import cli_support
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.plotting import plot_training_curves
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 from mlmha_fairseq.evaluation.training_curves import X_AXES, read_log_curves
