@@ -1,4 +1,5 @@
 import csv
+import json
 import random
 
 import numpy as np
@@ -8,10 +9,14 @@ import torch
 from fixtures.tiny_fairseq import WORDS, build_task_and_model, save_checkpoint, write_data_bin
 from mlmha_fairseq.evaluation.model_loading import batches, encode_lines
 from mlmha_fairseq.evaluation.probing import (
+    MLP_MAX_EPOCHS,
+    MLP_PATIENCE,
+    THESIS_MLP_SCHEDULES,
     encoder_features,
     fit_probe,
     mean_pool,
     parse_senteval,
+    train_mlp,
 )
 from mlmha_fairseq.evaluation.text_io import InputError
 
@@ -61,6 +66,37 @@ def test_fit_probe_on_separable_and_random_features():
     assert fit_probe(noise, labels, classifier="mlp").test_accuracy < 0.7
 
 
+def gaussian_classes(seed, shift):
+    """Two classes in 4 dimensions, class 1 shifted by ``shift`` in every coordinate."""
+    generator = torch.Generator().manual_seed(seed)
+    targets = {s: torch.randint(0, 2, (n,), generator=generator) for s, n in SPLIT_SIZES.items()}
+    features = {s: torch.randn(len(t), 4, generator=generator) + shift * t[:, None].float()
+                for s, t in targets.items()}
+    return features, targets
+
+
+def dev_accuracy(run, features, targets):
+    with torch.no_grad():
+        return run.model(features["va"]).argmax(-1).eq(targets["va"]).float().mean().item()
+
+
+@pytest.mark.parametrize("chapter", sorted(THESIS_MLP_SCHEDULES))
+def test_thesis_mlp_learns_and_early_stops(chapter):
+    schedule = THESIS_MLP_SCHEDULES[chapter]
+    features, targets = gaussian_classes(0, shift=3.0)
+    run = train_mlp(features, targets, 2, hidden=50, schedule=schedule)
+    assert run.dev_accuracy > 0.95
+    # pure noise: dev accuracy stops improving, training ends PATIENCE epochs after the best
+    # epoch, and the returned weights are the best epoch's
+    noise, noise_targets = gaussian_classes(1, shift=0.0)
+    stopped = train_mlp(noise, noise_targets, 2, hidden=50, schedule=schedule)
+    assert stopped.epochs_run == stopped.best_epoch + MLP_PATIENCE < MLP_MAX_EPOCHS
+    assert dev_accuracy(stopped, noise, noise_targets) == stopped.dev_accuracy
+    again = train_mlp(noise, noise_targets, 2, hidden=50, schedule=schedule)
+    assert again.epochs_run == stopped.epochs_run
+    assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), stopped.model.parameters()))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     data = write_data_bin(str(tmp_path_factory.mktemp("data-bin")))
@@ -103,9 +139,16 @@ def test_probe_cli(tiny, tmp_path, capsys):
     task_file = tmp_path / "marker.txt"
     task_file.write_text("\n".join(synthetic_probing_lines(3, False)) + "\n", encoding="utf-8")
     prefix = str(tmp_path / "probe")
-    probe.main([checkpoint, "--names", "tiny", "--data-bin", data, "--tasks", str(task_file),
-                "--output-prefix", prefix])
+    common = [checkpoint, "--names", "tiny", "--data-bin", data, "--tasks", str(task_file)]
+    probe.main(common + ["--classifier", "logreg", "--output-prefix", prefix])
     with open(prefix + ".csv", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
     assert rows[0]["task"] == "marker" and float(rows[0]["test_accuracy"]) > 85
     assert (tmp_path / "probe.png").stat().st_size > 0
+    # the default is the thesis MLP with chapter 4's schedule (too few examples here to learn
+    # in its one step per epoch; test_thesis_mlp_learns_and_early_stops covers learning)
+    probe.main(common + ["--output-prefix", prefix + "_mlp"])
+    with open(prefix + "_mlp.json", encoding="utf-8") as handle:
+        record = json.load(handle)
+    assert (record["classifier"], record["thesis_chapter"]) == ("mlp", 4)
+    assert record["results"][0]["setting"].startswith("hidden=")

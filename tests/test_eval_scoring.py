@@ -157,7 +157,7 @@ def test_score_cli_errors_exit_cleanly(tmp_path, capsys, corpus):
 
 
 @pytest.mark.parametrize("name", ["score", "significance", "length_buckets", "attention_stats",
-                                  "average_checkpoints", "probe"])
+                                  "average_checkpoints", "probe", "training_curves"])
 def test_every_cli_has_help(name, capsys):
     import importlib
 

@@ -173,17 +173,21 @@ def test_aggregation_parameter_count_matches_thesis_formula(aggregation, extra, 
 
 def test_paper_size_mlmha_adds_the_papers_parameters():
     """WMT'14 En-De preset (d=512, 6+6, n=6, M-10): 6 x 20 d^2 = 31,457,280 new weights
-    (Ampomah et al. 2020: "about 23.7M ... a further 7.8M"), minus fairseq's 6 x 4d cross-attention biases."""
+    (Ampomah et al. 2020: "about 23.7M ... a further 7.8M"), minus fairseq's 6 x 4d cross-attention biases,
+    plus the pre-norm LayerNorms of the n-1 collected layers below the top (5 x 2d)."""
     words = [f"w{i}" for i in range(1000)]
     dictionary = toy_dictionary(words)
     paper_size = ["--encoder-layers", "6", "--decoder-layers", "6", "--encoder-embed-dim", "512",
                   "--decoder-embed-dim", "512", "--encoder-ffn-embed-dim", "2048",
                   "--decoder-ffn-embed-dim", "2048", "--encoder-attention-heads", "8",
                   "--decoder-attention-heads", "8", "--share-all-embeddings"]
-    baseline = num_params(build_model("transformer_wmt_en_de", *paper_size, dictionary=dictionary))
+    baseline = num_params(build_model("transformer_wmt_en_de", *paper_size, *PRE_NORM, dictionary=dictionary))
     model = build_model("mlmha_transformer_wmt_en_de", *paper_size, dictionary=dictionary)
     assert model.decoder.layers[0].encoder_attn.num_taps == 6
-    assert num_params(model) - baseline == 31_457_280 - 6 * 4 * 512
+    assert num_params(model) - baseline == 31_457_280 - 6 * 4 * 512 + 5 * 2 * 512
+    post_norm = build_model("mlmha_transformer_wmt_en_de_post_norm", *paper_size, dictionary=dictionary)
+    post_norm_baseline = num_params(build_model("transformer_wmt_en_de", *paper_size, dictionary=dictionary))
+    assert num_params(post_norm) - post_norm_baseline == 31_457_280 - 6 * 4 * 512
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -243,3 +247,20 @@ def test_mask_ablation_at_generation_time(data_bin, tmp_path):
         data_bin, tmp_path, "slot_transformer", *mlmha("M-10"),
         generate_options=["--model-overrides", "{'mlmha_mask_encoder_layer': 2, 'mlmha_mask_mode': 'drop'}"],
     )
+
+
+@pytest.mark.parametrize(
+    "sharing, saved_per_layer",
+    [(["--mlmha-share-query"], (ENCODER_LAYERS - 1) * D**2),
+     (["--mlmha-share-kv"], 2 * (ENCODER_LAYERS - 1) * D**2),
+     (["--mlmha-share-query", "--mlmha-share-kv"], 3 * (ENCODER_LAYERS - 1) * D**2)],
+    ids=["share-query", "share-kv", "share-both"],
+)
+def test_sharing_options_remove_the_per_layer_projections(sharing, saved_per_layer):
+    """--mlmha-share-query keeps one of the n query projections, --mlmha-share-kv one of the
+    n key/value pairs, in every decoder layer; decoding stays incremental."""
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *mlmha("M-10", *sharing), dictionary=dictionary)
+    default = build_model("slot_transformer", *mlmha("M-10"))
+    assert num_params(default) - num_params(model) == DECODER_LAYERS * saved_per_layer
+    assert_incremental_matches_full(model, dictionary)

@@ -419,3 +419,89 @@ def test_dropped_layer_index_is_validated():
     module = build("M-00")
     with pytest.raises(ValueError, match="dropped_layer_index"):
         module.dropped_layer_index = TAPS
+
+
+# ----------------------------------------------------------------------------- optional sharing
+
+SHARINGS = [(True, False), (False, True), (True, True)]
+SHARING_IDS = ["share-query", "share-kv", "share-both"]
+
+
+def build_shared(variant, share_query, share_kv, bias=True, seed=0):
+    torch.manual_seed(seed)
+    joint, concat = parse_variant(variant)
+    return MultiLayerMultiheadAttention(DIM, HEADS, TAPS, joint, concat, bias=bias,
+                                        share_query=share_query, share_kv=share_kv).eval()
+
+
+def untied_copy(shared):
+    """The unshared module with every tap's projection a copy of the shared one."""
+    joint, concat = shared.joint_weights, shared.concat_contexts
+    untied = MultiLayerMultiheadAttention(DIM, HEADS, TAPS, joint, concat, bias=True).eval()
+    with torch.no_grad():
+        for name, parameter in shared.named_parameters():
+            untied.get_parameter(name).copy_(parameter.expand_as(untied.get_parameter(name)))
+    return untied
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("share_query, share_kv", SHARINGS, ids=SHARING_IDS)
+def test_sharing_is_the_per_tap_module_with_tied_projections(variant, share_query, share_kv):
+    """One projection applied to every tap: the same outputs and weights as per-tap
+    projections that are copies of it, and its gradient is the sum of theirs."""
+    shared = build_shared(variant, share_query, share_kv)
+    assert shared.q_proj_weight.shape[0] == (1 if share_query else TAPS)
+    assert shared.k_proj_weight.shape[0] == shared.v_proj_bias.shape[0] == (1 if share_kv else TAPS)
+    untied = untied_copy(shared)
+    query, taps, mask = make_inputs()
+    out, weights = run(shared, query, taps, mask, need_head_weights=True)
+    expected, expected_weights = run(untied, query, taps, mask, need_head_weights=True)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(weights, expected_weights, atol=ATOL, rtol=0)
+    torch.testing.assert_close(run(shared, query, taps, mask)[0], expected, atol=ATOL, rtol=0)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    for name, parameter in shared.named_parameters():
+        untied_grad = untied.get_parameter(name).grad
+        if parameter.size(0) == 1 and untied_grad.size(0) == TAPS:
+            untied_grad = untied_grad.sum(0, keepdim=True)
+        torch.testing.assert_close(parameter.grad, untied_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_shared_projections_differ_from_independent_ones():
+    """Sharing changes the function (a shared module is not the default one re-labelled)."""
+    query, taps, mask = make_inputs()
+    shared = build_shared("M-00", True, True)
+    independent = build_shared("M-00", False, False)
+    with torch.no_grad():
+        independent.q_proj_weight[0].copy_(shared.q_proj_weight[0])
+        independent.k_proj_weight[0].copy_(shared.k_proj_weight[0])
+        independent.v_proj_weight[0].copy_(shared.v_proj_weight[0])
+    assert not torch.allclose(run(shared, query, taps, mask)[0], run(independent, query, taps, mask)[0])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("share_query, share_kv", SHARINGS, ids=SHARING_IDS)
+def test_sharing_incremental_equals_full(variant, share_query, share_kv):
+    module = build_shared(variant, share_query, share_kv)
+    query, taps, mask = make_inputs()
+    expected, _ = run(module, query, taps, mask)
+    out = step_by_step(module, query, taps, mask, {})
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("share_query, share_kv", SHARINGS, ids=SHARING_IDS)
+@pytest.mark.parametrize("num_taps", [1, 4])
+def test_sharing_parameter_count_closed_form(variant, bias, share_query, share_kv, num_taps):
+    """(n_q + 2 n_kv) d^2 + d_c d (+ (n_q + 2 n_kv) d + d with biases), n_q = 1 with
+    share_query, n_kv = 1 with share_kv (else n)."""
+    torch.manual_seed(0)
+    joint, concat = parse_variant(variant)
+    module = MultiLayerMultiheadAttention(DIM, HEADS, num_taps, joint, concat, bias=bias,
+                                          share_query=share_query, share_kv=share_kv)
+    projections = (1 if share_query else num_taps) + 2 * (1 if share_kv else num_taps)
+    context_dim = num_taps * DIM if concat else DIM
+    expected = projections * DIM * DIM + context_dim * DIM + ((projections + 1) * DIM if bias else 0)
+    assert sum(p.numel() for p in module.parameters()) == expected

@@ -266,17 +266,22 @@ def test_each_auxiliary_decoder_adds_one_decoder_stack_and_aif_adds_l_d_squared(
 
 def test_thesis_small_model_parameter_counts():
     """Thesis §4.4: an auxiliary decoder of the small model adds 4,205,568 parameters with the
-    thesis' bias-free attention (+ fairseq's 8d attention biases per layer here), AIF adds
+    thesis' bias-free attention (+ fairseq's 8d attention biases per layer here; in the
+    preset's pre-norm also its final LayerNorm and its memory's LayerNorm, 2 x 2d), AIF adds
     4 x 256^2 = 262,144 per auxiliary decoder."""
     dictionary = toy_dictionary([f"w{i}" for i in range(100)])
     sizes = ["--encoder-layers", "4", "--decoder-layers", "4", "--encoder-embed-dim", "256",
              "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
              "--decoder-ffn-embed-dim", "1024", "--encoder-attention-heads", "4",
              "--decoder-attention-heads", "4"]
-    baseline = num_params(build_model("slot_transformer", *sizes, "--share-all-embeddings", dictionary=dictionary))
-    model = build_model("ms_transformer_iwslt", *sizes, dictionary=dictionary)
-    assert model.decoder.aux_layers == [3] and model.decoder.aux_fusion
-    assert num_params(model) - baseline == 4_205_568 + 4 * 8 * 256 + 262_144
+    pre_norm = ["--encoder-normalize-before", "--decoder-normalize-before"]
+    for arch, norm, layer_norms in (("ms_transformer_iwslt", pre_norm, 2 * 2 * 256),
+                                    ("ms_transformer_iwslt_post_norm", [], 0)):
+        baseline = num_params(build_model("slot_transformer", *sizes, *norm, "--share-all-embeddings",
+                                          dictionary=dictionary))
+        model = build_model(arch, *sizes, dictionary=dictionary)
+        assert model.decoder.aux_layers == [3] and model.decoder.aux_fusion
+        assert num_params(model) - baseline == 4_205_568 + 4 * 8 * 256 + layer_norms + 262_144
 
 
 @pytest.mark.parametrize("share", [["--share-decoder-input-output-embed"], ["--share-all-embeddings"], []])

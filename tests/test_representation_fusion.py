@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from fairseq_helpers import (
     assert_incremental_matches_full,
     assert_round_trip,
     build_model,
+    full_logits,
     random_batch,
     run_fairseq,
     toy_dictionary,
@@ -199,8 +201,8 @@ def test_iwslt_preset_is_the_papers_best_de_en_system():
     [
         (fusion("fnn"), (ENCODER_LAYERS + 1) * D * D_F + D_F + D_F * D + D + 2 * D
          + (ENCODER_LAYERS + 1) * D),
-        (fusion("fnn", "none", "--mlrf-no-embedding-layer"),  # K = L, rows for layers 0..L
-         ENCODER_LAYERS * D * D_F + D_F + D_F * D + D + 2 * D + (ENCODER_LAYERS + 1) * D),
+        (fusion("fnn", "none", "--mlrf-no-embedding-layer"),  # K = L, rows for layers 1..L only
+         ENCODER_LAYERS * D * D_F + D_F + D_F * D + D + 2 * D + ENCODER_LAYERS * D),
         (fusion("fnn", "none", "--mlrf-no-layer-embedding"),
          (ENCODER_LAYERS + 1) * D * D_F + D_F + D_F * D + D + 2 * D),
         (fusion("none", "sa"), D * D_A + D_A * HOPS + HOPS * D * D_F + D_F + D_F * D + D + 2 * D
@@ -254,15 +256,58 @@ def test_one_layer_embedding_table_is_shared_and_survives_a_checkpoint(tmp_path)
 
 
 def test_layer_embedding_rows_are_indexed_by_layer_number():
-    """Without the embedding layer, layers 1..L keep the rows E_1..E_L."""
+    """Without the embedding layer, layers 1..L get rows 0..L-1 and no row is allocated
+    for layer 0."""
     model = build_model("slot_transformer", *fusion("none", "fnn", "--mlrf-no-embedding-layer"))
     output = model.decoder.output_fusion
+    assert output.layer_embedding.weight.shape == (DECODER_LAYERS, D)
     states = list(stacked_states(DECODER_LAYERS + 1))
     seen = {}
     output.fusion.forward = lambda stacked, rows: seen.update(stacked=stacked, rows=rows)
     output(states)
     torch.testing.assert_close(seen["stacked"], torch.stack(states[1:]))
-    torch.testing.assert_close(seen["rows"], output.layer_embedding.weight[1:])
+    torch.testing.assert_close(seen["rows"], output.layer_embedding.weight)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [fusion("sa", "fnn", "--mlrf-no-embedding-layer"), fusion("none", "sa", "--mlrf-no-embedding-layer"),
+     fusion("fnn", "sa", "--decoder-layers", "4", "--mlrf-no-embedding-layer"), fusion("sa", "fnn")],
+    ids=["Both-SA-FNN no word emb", "Dec-SA no word emb", "Both-FNN-SA deeper decoder no word emb",
+         "Both-SA-FNN"],
+)
+def test_every_parameter_receives_a_gradient(options):
+    """No dead parameter: in particular no layer-embedding row for an unfused layer."""
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *options, dictionary=dictionary)
+    src, lengths, prev = random_batch(dictionary)
+    model(src, lengths, prev)[0].logsumexp(-1).sum().backward()
+    dead = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.any()]
+    assert dead == []
+    # per row for the layer-embedding table (a tensor-level check misses an unused row)
+    table = next(p for name, p in model.named_parameters() if name.endswith("layer_embedding.weight"))
+    assert table.grad.abs().sum(dim=-1).gt(0).all()
+
+
+# Made before the table lost its unused row, by tests/fixtures: build_model("slot_transformer",
+# *fixture["options"]) with torch.manual_seed(0) and toy_dictionary(), its state dict and its
+# logits on random_batch(toy_dictionary()); its table has max(L) + 1 = 4 rows.
+OLD_TABLE_FIXTURE = Path(__file__).parent / "fixtures" / "mlrf_old_layer_embedding_table.pt"
+
+
+def test_checkpoint_with_the_old_layer_embedding_table_loads_and_gives_the_same_output():
+    fixture = torch.load(OLD_TABLE_FIXTURE, weights_only=True)
+    old_table = fixture["model"]["encoder.memories.mlrf_fusion.layer_embedding.weight"]
+    assert old_table.shape == (ENCODER_LAYERS + 1, D)
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *fixture["options"], dictionary=dictionary).eval()
+    model.load_state_dict(fixture["model"], strict=True)  # fairseq's, which upgrades first
+    table = model.encoder.memories["mlrf_fusion"].layer_embedding
+    assert model.decoder.output_fusion.layer_embedding is table
+    torch.testing.assert_close(table.weight, old_table[1:])
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        torch.testing.assert_close(full_logits(model, src, lengths, prev), fixture["logits"])
 
 
 # ----------------------------------------------------------------------------- decoding

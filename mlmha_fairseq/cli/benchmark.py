@@ -179,7 +179,8 @@ def seconds(call, device) -> float:
 
 def interleaved_seconds(subjects: List[Subject], action: str, repeats: int, device) -> List[float]:
     """Median seconds of ``action`` per subject, the subjects alternating call by call so
-    that a change of machine load affects them alike (after one warm-up call each)."""
+    that a change of machine load affects them alike (after one warm-up call each).
+    Not ``torch.utils.benchmark.Timer``: it times one statement's runs back to back."""
     times = [[] for _ in subjects]
     for repeat in range(repeats + 1):
         for subject, collected in zip(subjects, times):

@@ -24,7 +24,9 @@ from mlmha_fairseq.evaluation.model_loading import (
 from mlmha_fairseq.evaluation.plotting import plot_probing
 from mlmha_fairseq.evaluation.probing import (
     CLASSIFIERS,
+    DEFAULT_THESIS_CHAPTER,
     SPLITS,
+    THESIS_MLP_SCHEDULES,
     encoder_features,
     fit_probe,
     read_senteval,
@@ -47,8 +49,13 @@ def build_parser():
     parser.add_argument("--layer", type=int,
                         help="encoder state to pool: 0 = embeddings, k = layer k "
                              "(default: the encoder output)")
-    parser.add_argument("--classifier", choices=CLASSIFIERS, default="logreg",
-                        help="logistic regression or one-hidden-layer MLP (default: %(default)s)")
+    parser.add_argument("--classifier", choices=CLASSIFIERS, default="mlp",
+                        help="the thesis' two-layer MLP (RMSProp, early stopping on dev) or "
+                             "logistic regression (default: %(default)s)")
+    parser.add_argument("--thesis-chapter", type=int, choices=sorted(THESIS_MLP_SCHEDULES),
+                        default=DEFAULT_THESIS_CHAPTER,
+                        help="MLP learning rate and batch size of thesis chapter 4 (1e-3, 512) "
+                             "or 5 (2.5e-4, 64) (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                         help="sentences per batch (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="classifier seed (default: %(default)s)")
@@ -78,7 +85,7 @@ def probe(parser, args) -> None:
         for task_name, data in tasks:
             features = {split: _features(model, fairseq_task, data.sentences[split], args)
                         for split in SPLITS}
-            result = fit_probe(features, data.labels, args.classifier, args.seed)
+            result = fit_probe(features, data.labels, args.classifier, args.seed, args.thesis_chapter)
             rows.append({"model": name, "task": task_name, "setting": result.setting,
                          "dev_accuracy": PERCENT * result.dev_accuracy,
                          "test_accuracy": PERCENT * result.test_accuracy})
@@ -88,7 +95,7 @@ def probe(parser, args) -> None:
         print(f"{name}\tAVG\ttest {np.mean(accuracies[name]):.2f}")
     write_csv(args.output_prefix + ".csv", rows)
     write_json(args.output_prefix + ".json", {"classifier": args.classifier, "layer": args.layer,
-                                              "results": rows})
+                                              "thesis_chapter": args.thesis_chapter, "results": rows})
     plot_probing([name for name, _ in tasks], accuracies, args.output_prefix + ".png")
 
 

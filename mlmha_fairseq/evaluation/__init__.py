@@ -15,5 +15,6 @@ One module per mechanism:
 - ``model_loading``: loading a fairseq checkpoint and encoding sentences.
 - ``probing``: probing classifiers on frozen encoder features.
 - ``checkpoint_averaging``: averaging fairseq checkpoints.
+- ``training_curves``: train/valid statistics against updates or epochs from fairseq's JSON logs.
 - ``plotting``: the PNG figures written by every analysis.
 """

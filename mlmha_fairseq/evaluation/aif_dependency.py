@@ -30,7 +30,9 @@ from mlmha_fairseq.evaluation.text_io import InputError
 
 
 def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Row-wise ``KL(p || q)`` in nats of distributions ``[..., K]`` -> ``[...]`` (0 log 0 = 0)."""
+    """Row-wise ``KL(p || q)`` in nats of distributions ``[..., K]`` -> ``[...]`` (0 log 0 = 0).
+
+    Not ``F.kl_div``: it takes ``log q`` and gives NaN (0 * -inf) where ``p = q = 0``."""
     p, q = p.to(torch.float64), q.to(torch.float64)
     return (torch.special.xlogy(p, p) - torch.special.xlogy(p, q)).sum(dim=-1)
 

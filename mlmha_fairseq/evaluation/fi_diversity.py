@@ -46,7 +46,10 @@ def reduce_heads(weights: torch.Tensor, reduction: str = MAX) -> torch.Tensor:
 
 
 def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Row-wise Jensen-Shannon divergence (nats) of distributions ``[..., S]`` -> ``[...]``."""
+    """Row-wise Jensen-Shannon divergence (nats) of distributions ``[..., S]`` -> ``[...]``.
+
+    Not ``scipy.spatial.distance.jensenshannon``: it returns the JS *distance* (the square
+    root of the divergence) and takes numpy arrays, not the recorded torch weights."""
     p, q = p.to(torch.float64), q.to(torch.float64)
     m = (p + q) / 2
     kl_p = (torch.special.xlogy(p, p) - torch.special.xlogy(p, m)).sum(dim=-1)

@@ -8,6 +8,7 @@ fairseq prints, per sentence id ``k`` and in completion order (not input order):
     D-k<TAB>score<TAB>hyp     (H- passed through --tokenizer's decode: "detokenized")
 
 With ``--nbest N`` there are N H-/D- lines per id, best first; only the first is kept.
+Parsed here because neither fairseq nor the scoring libraries read this format back.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional

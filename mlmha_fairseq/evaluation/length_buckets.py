@@ -5,6 +5,9 @@ half-open buckets ``[0,10), [10,20), ..., [50,inf)``; En-Vi: whitespace tokens o
 pre-tokenized source, inclusive groups 1-10, 11-20, ..., >40), and Cui et al. 2019
 (right-closed groups ``(0,10], ..., (50,inf)`` on source words before BPE).
 EOS is never counted.
+
+Written here rather than with compare-mt's ``LengthSentenceBucketer`` because that one
+buckets by *reference* length (``len(ref)``) and the documents bucket by source length.
 """
 import math
 from dataclasses import dataclass

@@ -131,6 +131,24 @@ def plot_probing(tasks: Sequence[str], accuracies: Dict[str, Sequence[float]], p
     save_figure(figure, path)
 
 
+def plot_training_curves(runs: Dict[str, Dict[str, Sequence[Tuple[float, float]]]], stat: str,
+                         x_label: str, path: str) -> None:
+    """``stat`` against ``x_label`` (updates or epochs), one line per run and split: training
+    dashed, validation solid (as the MLRF paper's Figure 4)."""
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=LINE_FIGSIZE)
+    for index, (name, curves) in enumerate(runs.items()):
+        color = f"C{index}"
+        for split, style in (("train", "--"), ("valid", "-")):
+            if curves.get(split):
+                xs, values = zip(*curves[split])
+                axis.plot(xs, values, style, color=color, label=f"{name} ({split})")
+    axis.set_xlabel(x_label)
+    axis.set_ylabel(stat)
+    axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save_figure(figure, path)
+
+
 def plot_replicates(names: Sequence[str], per_seed: Sequence[Sequence[float]], metric: str, title: str,
                     path: str) -> None:
     """Each system's per-seed scores as dots, with their mean and standard deviation, so that

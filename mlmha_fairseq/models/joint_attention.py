@@ -13,7 +13,8 @@ Fills three slots of the slot Transformer:
   mixture of all encoder states (embedding included) per decoder layer.
 
 Presets: ``mlmha_transformer_iwslt``, ``mlmha_transformer_wmt_en_de``,
-``layer_aggregation_transformer_iwslt``, ``layer_aggregation_transformer_wmt_en_de``.
+``layer_aggregation_transformer_iwslt``, ``layer_aggregation_transformer_wmt_en_de`` (pre-norm,
+as the authors' code), and each with the suffix ``_post_norm`` (post-norm, as the equations).
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -33,7 +34,7 @@ from ..modules.layer_aggregation import (
 from ..modules.multi_layer_attention import VARIANTS, MultiLayerMultiheadAttention, parse_variant
 from ..modules.source_feature_collector import SourceFeatureCollector
 from .options import Mechanism, Option, Switch, register_mechanism
-from .presets import thesis_base, thesis_small
+from .presets import post_norm, thesis_base, thesis_pre_norm, thesis_small
 from .slots import DECODER_CROSS_ATTENTION, ENCODER_MEMORY
 
 MULTI_LAYER = "multi-layer"
@@ -60,6 +61,12 @@ MLMHA = register_mechanism(Mechanism(
                "Table 1)", argparse=dict(choices=VARIANTS)),
         Option("--mlmha-bias", False, "biases on the MLMHA projections (default: bias-free, as the "
                "authors' code)", argparse=dict(action="store_true")),
+        Option("--mlmha-share-query", False, "one MLMHA query projection for all n collected "
+               "layers (default: one per layer, as the paper's parameter counts)",
+               argparse=dict(action="store_true")),
+        Option("--mlmha-share-kv", False, "one MLMHA key and one value projection for all n "
+               "collected layers (default: one pair per layer, as the paper's parameter counts)",
+               argparse=dict(action="store_true")),
     )))
 
 LAYER_AGGREGATION = register_mechanism(Mechanism(
@@ -202,6 +209,7 @@ def build_multi_layer_attention(cfg, layer_idx, embed_dim):
     return MultiLayerMultiheadAttention(
         embed_dim, cfg.decoder.attention_heads, layers.top_n, joint_weights, concat_contexts,
         dropout=cfg.attention_dropout, bias=cfg.mlmha_bias,
+        share_query=cfg.mlmha_share_query, share_kv=cfg.mlmha_share_kv,
         dropped_layer_index=layers.masked_tap if layers.mask_mode == MASK_DROP else None,
         memory_key=TAPS_KEY,
     )
@@ -248,28 +256,60 @@ def build_transparent_memories(cfg, num_layers):
 
 @register_model_architecture("slot_transformer", "mlmha_transformer_iwslt")
 def mlmha_transformer_iwslt(args):
-    """MLMHA, IWSLT Es-En / En-Vi (Ampomah et al. 2020, §4.1): n = L = 4, M-00."""
+    """MLMHA, IWSLT Es-En / En-Vi (Ampomah et al. 2020, §4.1): n = L = 4, M-00; pre-norm with a LayerNorm
+    per collected layer, as the authors' released code."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
+    thesis_pre_norm(args)
     thesis_small(args)
 
 
 @register_model_architecture("slot_transformer", "mlmha_transformer_wmt_en_de")
 def mlmha_transformer_wmt_en_de(args):
-    """MLMHA, WMT'14 En-De (Ampomah et al. 2020, §4.1): n = L = 6, M-10."""
+    """MLMHA, WMT'14 En-De (Ampomah et al. 2020, §4.1): n = L = 6, M-10; pre-norm as ``mlmha_transformer_iwslt``."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
     args.mlmha_variant = getattr(args, "mlmha_variant", "M-10")
+    thesis_pre_norm(args)
     thesis_base(args)
 
 
 @register_model_architecture("slot_transformer", "layer_aggregation_transformer_iwslt")
 def layer_aggregation_transformer_iwslt(args):
-    """Layer aggregation (thesis §2.2) on the small IWSLT Transformer, Iter-C-Agg, n = L."""
+    """Layer aggregation (thesis §2.2) on the small IWSLT Transformer, Iter-C-Agg, n = L;
+    pre-norm with a LayerNorm per collected layer, as the authors' code."""
     args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
+    thesis_pre_norm(args)
     thesis_small(args)
 
 
 @register_model_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de")
 def layer_aggregation_transformer_wmt_en_de(args):
-    """Layer aggregation (thesis §2.2) on the base Transformer, Iter-C-Agg, n = L."""
+    """Layer aggregation (thesis §2.2) on the base Transformer, Iter-C-Agg, n = L; pre-norm."""
     args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
+    thesis_pre_norm(args)
     thesis_base(args)
+
+
+# The same presets with post-norm layers, as the thesis' equations are written (Eqs. 2.10-2.11,
+# 3.6); they are what the presets above built before they followed the authors' code.
+@register_model_architecture("slot_transformer", "mlmha_transformer_iwslt_post_norm")
+def mlmha_transformer_iwslt_post_norm(args):
+    post_norm(args)
+    mlmha_transformer_iwslt(args)
+
+
+@register_model_architecture("slot_transformer", "mlmha_transformer_wmt_en_de_post_norm")
+def mlmha_transformer_wmt_en_de_post_norm(args):
+    post_norm(args)
+    mlmha_transformer_wmt_en_de(args)
+
+
+@register_model_architecture("slot_transformer", "layer_aggregation_transformer_iwslt_post_norm")
+def layer_aggregation_transformer_iwslt_post_norm(args):
+    post_norm(args)
+    layer_aggregation_transformer_iwslt(args)
+
+
+@register_model_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de_post_norm")
+def layer_aggregation_transformer_wmt_en_de_post_norm(args):
+    post_norm(args)
+    layer_aggregation_transformer_wmt_en_de(args)

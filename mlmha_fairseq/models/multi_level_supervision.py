@@ -36,7 +36,8 @@ states are used as they are. The auxiliary decoders are fairseq's standard decod
 (self-/cross-attention fillers, output fusion) apply to the Main-Decoder only.
 
 Presets: ``ms_transformer`` (MS-1, base size), ``ms_transformer_iwslt`` (small 4+4, MS-3 +
-AIF) and ``ms_transformer_wmt_en_de`` (base 6+6, MS-1 + AIF).
+AIF) and ``ms_transformer_wmt_en_de`` (base 6+6, MS-1 + AIF), pre-norm as the authors' code;
+``*_post_norm``: the same with post-norm layers.
 """
 import re
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from fairseq.modules import LayerNorm
 
 from ..errors import UsageError
 from ..modules.auxiliary_information_fusion import AuxiliaryInformationFusion
-from .presets import thesis_base, thesis_small
+from .presets import post_norm, thesis_base, thesis_pre_norm, thesis_small
 from .slot_transformer import (
     SlotTransformerDecoder,
     SlotTransformerDecoderLayer,
@@ -349,6 +350,7 @@ def ms_transformer_iwslt(args):
     """MS-3 + AIF on the small IWSLT Transformer (4+4, d=256): the thesis' best IWSLT
     setting (Tables 4.1, 4.3). [choice] The auxiliary decoder sits on layer L-1, i.e. layer
     3 of the preset's 4-layer encoder, also when --encoder-layers changes the depth."""
+    thesis_pre_norm(args)  # the authors' code base, as chapter 3's presets
     thesis_small(args)  # first: the auxiliary layer depends on the encoder depth
     args.aux_decoder_layers = getattr(args, "aux_decoder_layers", str(args.encoder_layers - 1))
     args.aux_fusion = getattr(args, "aux_fusion", True)
@@ -358,7 +360,22 @@ def ms_transformer_iwslt(args):
 @register_model_architecture("ms_transformer", "ms_transformer_wmt_en_de")
 def ms_transformer_wmt_en_de(args):
     """MS-1 + AIF on the base Transformer (6+6, d=512): the thesis' best WMT'14 En-De model
-    (Table 4.4, 29.32)."""
+    (Table 4.4, 29.32). Pre-norm, as ``ms_transformer_iwslt``."""
+    thesis_pre_norm(args)
     thesis_base(args)
     args.aux_fusion = getattr(args, "aux_fusion", True)  # on MS-1, the option's default
     ms_transformer(args)
+
+
+# The same presets with post-norm layers, as the thesis' equations are written (Eq. 4.3 adds
+# z^f after the self-attention sublayer's LayerNorm).
+@register_model_architecture("ms_transformer", "ms_transformer_iwslt_post_norm")
+def ms_transformer_iwslt_post_norm(args):
+    post_norm(args)
+    ms_transformer_iwslt(args)
+
+
+@register_model_architecture("ms_transformer", "ms_transformer_wmt_en_de_post_norm")
+def ms_transformer_wmt_en_de_post_norm(args):
+    post_norm(args)
+    ms_transformer_wmt_en_de(args)

@@ -34,6 +34,22 @@ def thesis_base(args):
     thesis_settings(args)
 
 
+def thesis_pre_norm(args):
+    """Pre-norm layers with final LayerNorms, as the authors' released code that ran the
+    thesis' chapter 3 and 4 experiments (every sublayer ``x + Dropout(Sublayer(LN(x)))``); the
+    Source Feature Collector and the auxiliary decoders then give every collected encoder
+    layer its own LayerNorm, as that code does. The thesis' equations are post-norm: the
+    ``*_post_norm`` presets."""
+    args.encoder_normalize_before = getattr(args, "encoder_normalize_before", True)
+    args.decoder_normalize_before = getattr(args, "decoder_normalize_before", True)
+
+
+def post_norm(args):
+    """Post-norm layers (the documents' equations, fairseq's default), before a preset."""
+    args.encoder_normalize_before = getattr(args, "encoder_normalize_before", False)
+    args.decoder_normalize_before = getattr(args, "decoder_normalize_before", False)
+
+
 def thesis_settings(args):
     """Dropout, attention and ReLU dropout 0.1 (the authors' code base, thesis §6.2) and one
     shared vocabulary tied three ways (``--share-all-embeddings``, Ampomah et al. 2020, §4.1)."""

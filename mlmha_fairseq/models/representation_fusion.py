@@ -139,22 +139,27 @@ def _fusion_options(cfg) -> FusionOptions:
     return options
 
 
+def _first_fused_layer(cfg) -> int:
+    """0 (the embedding output) unless --mlrf-no-embedding-layer, then 1."""
+    return EMBEDDING_LAYER + int(bool(safe_getattr(cfg, "mlrf_no_embedding_layer", False)))
+
+
 def _layer_embedding_rows(cfg) -> int:
-    """Rows of the shared table: layer numbers 0..max(L) over the sides that use it
-    ; both sides must then have the same width."""
+    """Rows of the shared table: one per fused layer number, first..max(L), over the sides
+    that use it; both sides must then have the same width."""
     sides = [side for side in (ENCODER, DECODER) if _uses_layer_embedding(cfg, side)]
     if len({_embed_dim(cfg, side) for side in sides}) > 1:
         raise UsageError("the MLRF layer embedding is shared by encoder and decoder: it needs "
                          "--encoder-embed-dim == --decoder-embed-dim (or --mlrf-no-layer-embedding)")
-    return 1 + max(_num_layers(cfg, side) for side in sides)
+    return 1 + max(_num_layers(cfg, side) for side in sides) - _first_fused_layer(cfg)
 
 
 class LayerFusion(nn.Module):
     """Fusion of a stack's layer outputs ``[layer 0 (embedding), 1..L]`` (Eq. 3).
 
-    ``layer_embedding``: the shared table (layer number -> row), or None. With
-    ``include_embedding_layer`` K = L + 1 states are fused, else K = L (layers 1..L, whose
-    layer-embedding rows stay 1..L).
+    ``layer_embedding``: the shared table, or None; row r belongs to layer number
+    ``first_layer + r``. With ``include_embedding_layer`` K = L + 1 states are fused, else
+    K = L (layers 1..L, rows 0..L-1: no row is allocated for the unused embedding layer).
     """
 
     def __init__(self, fusion: nn.Module, num_layers: int, include_embedding_layer: bool,
@@ -173,9 +178,18 @@ class LayerFusion(nn.Module):
         stacked = torch.stack(states[self.first_layer:])  # K x T x B x C
         rows = None
         if self.layer_embedding is not None:
-            layers = torch.arange(self.first_layer, len(states), device=stacked.device)
-            rows = self.layer_embedding(layers)  # K x C
+            rows = self.layer_embedding.weight[:len(stacked)]  # K x C: layers first..L
         return self.fusion(stacked, rows)
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        """Checkpoints written before the table lost its unused row: with
+        ``--mlrf-no-embedding-layer`` they hold one more row, row 0 (the embedding layer's,
+        never trained), which is dropped."""
+        key = f"{name}.layer_embedding.weight"
+        if self.layer_embedding is None or self.first_layer == EMBEDDING_LAYER or key not in state_dict:
+            return
+        if state_dict[key].size(0) == self.layer_embedding.num_embeddings + 1:
+            state_dict[key] = state_dict[key][1:]
 
 
 class FusedEncoderMemory(LayerFusion):

@@ -63,12 +63,21 @@ class MultiLayerMultiheadAttention(nn.Module):
 
     Drop-in replacement for ``TransformerDecoderLayerBase.encoder_attn``: the
     ``key`` argument carries the stacked taps ``n x Ts x B x C`` (bottom to top).
+    Written on ``F.scaled_dot_product_attention`` rather than as a fairseq
+    ``MultiheadAttention``, which projects one key sequence with one projection:
+    here each of the n taps has its own, and the joint variants sum n logits.
 
     Parameters (state-dict keys), row-major like ``nn.Linear`` (out x in):
     ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``: ``n x d x d``, slice
     i is ``W^{q,(i)}`` etc.; with ``bias`` also ``{q,k,v}_proj_bias``: ``n x d``;
     ``out_proj``: ``nn.Linear(n*d or d, d)`` over the layer-major concatenation
     ``[c^1 heads | c^2 heads | ...]`` (Eq. 12).
+
+    Optional sharing, off by default as in the authors' code, which has both flags:
+    ``share_query`` keeps one query projection for all n taps (``q_proj_*`` with a
+    leading size 1 instead of n), ``share_kv`` one key and one value projection
+    applied to every tap (``K_i = f_i W^k``, ``V_i = f_i W^v``). Which projections
+    are per tap is the same in every variant M-00..M-11.
     """
 
     def __init__(
@@ -80,6 +89,8 @@ class MultiLayerMultiheadAttention(nn.Module):
         concat_contexts: bool,
         dropout: float = 0.0,
         bias: bool = False,
+        share_query: bool = False,
+        share_kv: bool = False,
         dropped_layer_index: Optional[int] = None,
         memory_key: str = "encoder_out",
     ):
@@ -101,14 +112,15 @@ class MultiLayerMultiheadAttention(nn.Module):
             dropout, module_name=self.__class__.__name__
         )
 
-        shape = (num_taps, embed_dim, embed_dim)
-        self.q_proj_weight = nn.Parameter(torch.empty(shape))
-        self.k_proj_weight = nn.Parameter(torch.empty(shape))
-        self.v_proj_weight = nn.Parameter(torch.empty(shape))
+        query_taps = 1 if share_query else num_taps  # projections held
+        kv_taps = 1 if share_kv else num_taps
+        self.q_proj_weight = nn.Parameter(torch.empty(query_taps, embed_dim, embed_dim))
+        self.k_proj_weight = nn.Parameter(torch.empty(kv_taps, embed_dim, embed_dim))
+        self.v_proj_weight = nn.Parameter(torch.empty(kv_taps, embed_dim, embed_dim))
         if bias:
-            self.q_proj_bias = nn.Parameter(torch.empty(num_taps, embed_dim))
-            self.k_proj_bias = nn.Parameter(torch.empty(num_taps, embed_dim))
-            self.v_proj_bias = nn.Parameter(torch.empty(num_taps, embed_dim))
+            self.q_proj_bias = nn.Parameter(torch.empty(query_taps, embed_dim))
+            self.k_proj_bias = nn.Parameter(torch.empty(kv_taps, embed_dim))
+            self.v_proj_bias = nn.Parameter(torch.empty(kv_taps, embed_dim))
         else:
             self.register_parameter("q_proj_bias", None)
             self.register_parameter("k_proj_bias", None)
@@ -228,17 +240,18 @@ class MultiLayerMultiheadAttention(nn.Module):
     def _project_per_tap(
         self, taps: Tensor, weight: Tensor, bias: Optional[Tensor]
     ) -> Tensor:
-        """``f_i W_i^T + b_i`` for every tap i in one batched matmul.
+        """``f_i W_i^T + b_i`` for every tap i in one batched matmul (with
+        ``share_kv`` the one ``W``, ``b`` broadcast to every tap).
 
         n x Ts x B x C -> B x n x H x Ts x d_k (a view of the n x (Ts*B) x C result).
         """
         num_taps, src_len, bsz, embed_dim = taps.shape
         flat = taps.reshape(num_taps, src_len * bsz, embed_dim)
-        weight_t = weight.transpose(1, 2)
+        weight_t = weight.transpose(1, 2).expand(num_taps, -1, -1)
         if bias is None:
             projected = torch.bmm(flat, weight_t)
         else:
-            projected = torch.baddbmm(bias.unsqueeze(1), flat, weight_t)
+            projected = torch.baddbmm(bias.unsqueeze(1).expand(num_taps, -1, -1), flat, weight_t)
         projected = self._drop_tap(projected)
         per_tap_shape = (num_taps, src_len, bsz, self.num_heads, self.head_dim)
         return projected.view(per_tap_shape).permute(2, 0, 3, 1, 4)
@@ -251,14 +264,17 @@ class MultiLayerMultiheadAttention(nn.Module):
         return projected.index_fill(0, index, 0.0)
 
     def _project_query(self, query: Tensor) -> Tensor:
-        """Eq. 7 query side: all n ``Q W^{q,(i)}`` in one matmul, in head layout."""
+        """Eq. 7 query side: all n ``Q W^{q,(i)}`` in one matmul, in head layout
+        (with ``share_query`` the one ``Q W^q``, repeated for every tap)."""
         tgt_len, bsz, _ = query.shape
-        weight = self.q_proj_weight.view(self.num_taps * self.embed_dim, self.embed_dim)
+        query_taps = self.q_proj_weight.size(0)  # n, or 1 with share_query
+        weight = self.q_proj_weight.view(query_taps * self.embed_dim, self.embed_dim)
         bias = None if self.q_proj_bias is None else self.q_proj_bias.view(-1)
         projected = F.linear(query, weight, bias)  # Tt x B x (n*C), tap-major
         # Tt x B x (n*C) -> B x n x H x Tt x d_k (a view)
-        per_tap_shape = (tgt_len, bsz, self.num_taps, self.num_heads, self.head_dim)
-        return self._to_heads(projected.view(per_tap_shape).permute(1, 2, 3, 0, 4))
+        per_tap_shape = (tgt_len, bsz, query_taps, self.num_heads, self.head_dim)
+        per_tap = projected.view(per_tap_shape).expand(-1, -1, self.num_taps, -1, -1)
+        return self._to_heads(per_tap.permute(1, 2, 3, 0, 4))
 
     def _to_heads(self, per_tap: Tensor) -> Tensor:
         """B x n x H x T x d_k -> the attention-call layout of this variant.

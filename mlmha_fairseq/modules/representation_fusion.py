@@ -66,7 +66,8 @@ def add_layer_embedding(states: Tensor, layer_embedding: Optional[Tensor]) -> Te
 class FeedForward(nn.Module):
     """One-hidden-layer FNN ``W_b act(W_a x + b_a) + b_b`` of the FNN and SA fusions.
 
-    [paper] §4.2: PyTorch's default ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` init.
+    [paper] §4.2: PyTorch's default ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` init. Written
+    here because fairseq has no stand-alone FFN module (its FFN is inline in its layers).
     """
 
     def __init__(self, input_dim: int, hidden_dim: int, output_dim: int, activation: str,
