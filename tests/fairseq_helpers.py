@@ -56,6 +56,40 @@ def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, mo
     return result
 
 
+N_WAY_SPLITS = (("train", 200), ("valid", 16), ("test", 16))
+
+
+def write_n_way_text(directory: Path, seed=0):
+    """The reversal task with two sources: s1 (words of VOCAB), s2 (the same words upper-cased,
+    a second vocabulary); target tgt = the words reversed."""
+    rng = random.Random(seed)
+    for split, n in N_WAY_SPLITS:
+        sentences = [[rng.choice(VOCAB) for _ in range(rng.randint(3, 8))] for _ in range(n)]
+        sides = {"s1": sentences, "s2": [[w.upper() for w in s] for s in sentences],
+                 "tgt": [list(reversed(s)) for s in sentences]}
+        for side, lines in sides.items():
+            (directory / f"{split}.{side}").write_text("".join(" ".join(line) + "\n" for line in lines))
+
+
+def binarize_n_way(text: Path, destdir: Path):
+    """One joint dictionary over all training text, then one fairseq-preprocess run per
+    (source, target) pair with --srcdict/--tgtdict (as the corpus builder does)."""
+    dictionary = Dictionary()
+    for side in ("s1", "s2", "tgt"):
+        for line in (text / f"train.{side}").read_text().splitlines():
+            for word in line.split():
+                dictionary.add_symbol(word)
+    destdir.mkdir(exist_ok=True)
+    dictionary.save(str(destdir / "dict.txt"))
+    for source in ("s1", "s2"):
+        run_fairseq(
+            "preprocess", "--source-lang", source, "--target-lang", "tgt",
+            "--trainpref", text / "train", "--validpref", text / "valid", "--testpref", text / "test",
+            "--destdir", destdir, "--srcdict", destdir / "dict.txt", "--tgtdict", destdir / "dict.txt",
+            "--workers", "1",
+        )
+
+
 def preprocess(corpus: Path, destdir: Path):
     run_fairseq(
         "preprocess", "--source-lang", "src", "--target-lang", "tgt",
@@ -164,3 +198,43 @@ def assert_incremental_matches_full(model, dictionary, new_order=(2, 0, 0, 3, 1)
             out = model.decoder(rows[:, : step + 1], encoder_out=encoder_out, incremental_state=state)[0]
             expected = (after if step >= reorder_step else before)[:, step : step + 1]
             torch.testing.assert_close(out, expected, atol=atol, rtol=rtol, msg=f"step {step}")
+
+
+def assert_beam_search_scores_match_full(model, dictionary, monkeypatch, beam_size=3):
+    """fairseq's beam search, with its real reorders (hypotheses moving among the beams
+    of a sentence, and finished sentences leaving the batch): every token score of every
+    hypothesis equals the log-probability of that token in a full forward pass on the
+    hypothesis alone, so a cache that follows the wrong hypothesis fails."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model.eval()
+    src, lengths, _ = random_batch(dictionary, batch_size=8)
+    sizes = []
+    reorder = model.decoder.reorder_incremental_state_scripting
+    monkeypatch.setattr(
+        model.decoder, "reorder_incremental_state_scripting",
+        lambda state, new_order: sizes.append(new_order.numel()) or reorder(state, new_order),
+    )
+    # An untrained model rarely ends a sentence: a higher EOS logit (in the generator and
+    # in the reference alike) makes sentences finish, at different steps for some bonus.
+    output_layer, eos_bonus = model.decoder.output_layer, torch.zeros(len(dictionary))
+    monkeypatch.setattr(model.decoder, "output_layer", lambda features: output_layer(features) + eos_bonus)
+    generator = SequenceGenerator([model], dictionary, beam_size=beam_size, max_len_b=10)
+    with torch.no_grad():
+        for bonus in (1.0, 1.5, 2.0, 2.5, 3.0):
+            eos_bonus[dictionary.eos()], sizes[:] = bonus, []
+            hypotheses = generator.generate([model], {"net_input": {"src_tokens": src, "src_lengths": lengths}})
+            same_size = any(a == b for a, b in zip(sizes, sizes[1:]))
+            if same_size and len(set(sizes)) > 1:
+                break
+        else:
+            raise AssertionError("no EOS bonus made sentences finish at different steps")
+        for row, sentence in enumerate(hypotheses):
+            keep = src[row] != dictionary.pad()
+            for hypothesis in sentence:
+                tokens = hypothesis["tokens"]
+                prev = torch.cat([tokens.new_tensor([dictionary.eos()]), tokens[:-1]])
+                logits = model(src[row][keep][None], lengths[row : row + 1], prev[None])[0]
+                lprobs = model.get_normalized_probs((logits, None), log_probs=True)[0]
+                expected = lprobs.gather(-1, tokens[:, None]).squeeze(-1)
+                torch.testing.assert_close(hypothesis["positional_scores"], expected, atol=1e-4, rtol=0)

@@ -9,13 +9,12 @@ import pytest
 import torch
 from fairseq.data import indexed_dataset
 
-from fairseq_helpers import USER_DIR, run_fairseq, train_args
+from fairseq_helpers import USER_DIR, binarize_n_way, run_fairseq, train_args
 from mlmha_fairseq.data.multi_source_dataset import DataError
 from test_multi_source import (
     CHANNELS,
     POSITIONS,
     SPLITS,
-    binarize,
     setup_task,
     task_options,
     write_n_way_corpus,
@@ -100,7 +99,7 @@ def one_line_error(result):
 @pytest.fixture(scope="module")
 def n_way(tmp_path_factory):
     root = tmp_path_factory.mktemp("n_way")
-    binarize(write_n_way_corpus(root), root / "bin")
+    binarize_n_way(write_n_way_corpus(root), root / "bin")
     for split, _ in SPLITS:
         shutil.copy(root / f"{split}.img.npy", root / "bin" / f"{split}.img.npy")
     return root / "bin"

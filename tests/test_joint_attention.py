@@ -5,6 +5,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_helpers import (
     PRE_NORM,
+    assert_beam_search_scores_match_full,
     assert_incremental_matches_full,
     assert_round_trip,
     build_model,
@@ -67,6 +68,17 @@ def test_incremental_decoding_matches_full_forward(options, norm):
     dictionary = toy_dictionary()
     model = build_model("slot_transformer", *options, *norm, dictionary=dictionary)
     assert_incremental_matches_full(model, dictionary)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [mlmha(v) for v in VARIANTS] + [["--layer-aggregation", "transparent"]],
+    ids=list(VARIANTS) + ["transparent"],
+)
+def test_beam_search_scores_match_the_full_forward(options, monkeypatch):
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *options, dictionary=dictionary)
+    assert_beam_search_scores_match_full(model, dictionary, monkeypatch)
 
 
 def test_collected_keys_and_values_are_projected_once_per_sentence():

@@ -230,25 +230,49 @@ def test_incremental_equals_full_and_projects_taps_once(variant, monkeypatch):
         assert len(calls) == 1
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("new_order", [[2, 0, 3, 3, 1], [4, 1], [0, 0, 0]])
-def test_reorder_incremental_state(variant, new_order):
-    """Beam-like (repeats) and shrinking (finished sentences) reorders."""
-    module = build(variant, bias=True)
-    bsz = 5
-    query, taps, mask = make_inputs(bsz=bsz)
-    new_order = torch.tensor(new_order)
+def reorder_then_decode(module, query, taps, mask, new_order):
+    """First step on the batch, reorder the cache by ``new_order``, then the other
+    steps on the reordered batch; returns those steps and the cache before and after."""
     state = {}
     module(query[:1], taps, taps, key_padding_mask=mask, incremental_state=state)
+    before = dict(module._get_input_buffer(state))
     returned = module.reorder_incremental_state(state, new_order)
     assert returned is state
-    query, taps, mask = (
+    after = dict(module._get_input_buffer(state))
+    out = step_by_step(module, query.index_select(1, new_order), None, mask, state, start=1)
+    return out, before, after
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("new_order", [[2, 0, 3, 3, 1, 4], [4, 1], [0, 0, 0]])
+def test_reorder_incremental_state_selects_rows_when_the_batch_changes(variant, new_order):
+    """The first expansion to the beams and finished sentences leaving the batch."""
+    module = build(variant, bias=True)
+    query, taps, mask = make_inputs(bsz=5)
+    new_order = torch.tensor(new_order)
+    out, _, _ = reorder_then_decode(module, query, taps, mask, new_order)
+    expected, _ = run(
+        module,
         query.index_select(1, new_order),
         taps.index_select(2, new_order),
         mask.index_select(0, new_order),
     )
-    out = step_by_step(module, query, None, mask, state, start=1)
-    expected, _ = run(module, query, taps, mask)
+    torch.testing.assert_close(out, expected[1:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reorder_within_the_beams_of_a_sentence_keeps_the_cache(variant):
+    """Beam search at an unchanged batch size: 3 sentences x beam 2, hypotheses move
+    between the two beams of their sentence (which share its encoder taps and mask).
+    The cached projections are not copied, and decoding equals the full forward."""
+    module = build(variant, bias=True)
+    query, taps, mask = make_inputs(bsz=6)
+    sentence_rows = torch.tensor([0, 0, 2, 2, 4, 4])  # each sentence's taps twice
+    taps, mask = taps.index_select(2, sentence_rows), mask.index_select(0, sentence_rows)
+    new_order = torch.tensor([1, 1, 3, 2, 4, 5])
+    out, before, after = reorder_then_decode(module, query, taps, mask, new_order)
+    assert all(after[name] is cached for name, cached in before.items())
+    expected, _ = run(module, query.index_select(1, new_order), taps, mask)
     torch.testing.assert_close(out, expected[1:], atol=ATOL, rtol=0)
 
 

@@ -2,21 +2,20 @@
 (Libovický et al. 2018)."""
 import argparse
 import json
-import random
 import shutil
 
 import numpy as np
 import pytest
 import torch
 from fairseq import options
-from fairseq.data import Dictionary
 from fairseq.models import ARCH_CONFIG_REGISTRY
 
 from fairseq_helpers import (
+    N_WAY_SPLITS,
     NORMS,
     TINY_MODEL_ARGS,
     USER_DIR,
-    VOCAB,
+    binarize_n_way,
     build_model,
     generate,
     hypotheses_and_references,
@@ -24,6 +23,7 @@ from fairseq_helpers import (
     run_fairseq,
     toy_dictionary,
     train_args,
+    write_n_way_text,
 )
 from mlmha_fairseq.cli import multi_source_attention
 from mlmha_fairseq.data.multi_source_dataset import DataError, derangement
@@ -32,7 +32,7 @@ from mlmha_fairseq.modules.input_combination import STRATEGIES, build_input_comb
 from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
 
 D, DECODER_LAYERS, CHANNELS, POSITIONS = 16, 2, 6, 3
-SPLITS = (("train", 200), ("valid", 16), ("test", 16))
+SPLITS = N_WAY_SPLITS
 
 
 def build_multi_source(sources, *extra, image_sources=(), dictionary=None):
@@ -318,46 +318,22 @@ def test_derangement_has_no_fixed_point_and_is_reproducible(size):
 # --- data: a tiny N-way corpus, binarized by fairseq-preprocess -----------------------
 
 def write_n_way_corpus(root, seed=0):
-    """Sources s1 (words), s2 (the same words in a second vocabulary) and image features
-    (random, [N, positions, channels]); target = the words reversed."""
-    rng = random.Random(seed)
+    """The two-source text of :func:`write_n_way_text` and image features (random,
+    [N, positions, channels]) as a third source."""
     text = root / "text"
     text.mkdir()
+    write_n_way_text(text, seed)
     for split, n in SPLITS:
-        sentences = [[rng.choice(VOCAB) for _ in range(rng.randint(3, 8))] for _ in range(n)]
-        sides = {"s1": sentences, "s2": [[w.upper() for w in s] for s in sentences],
-                 "tgt": [list(reversed(s)) for s in sentences]}
-        for side, lines in sides.items():
-            (text / f"{split}.{side}").write_text("".join(" ".join(line) + "\n" for line in lines))
         features = np.random.RandomState(seed).randn(n, POSITIONS, CHANNELS).astype(np.float32)
         np.save(root / f"{split}.img.npy", features)
     return text
-
-
-def binarize(text, destdir):
-    """One joint dictionary over all training text, then one fairseq-preprocess run per
-    (source, target) pair with --srcdict/--tgtdict (as the corpus builder does)."""
-    dictionary = Dictionary()
-    for side in ("s1", "s2", "tgt"):
-        for line in (text / f"train.{side}").read_text().splitlines():
-            for word in line.split():
-                dictionary.add_symbol(word)
-    destdir.mkdir(exist_ok=True)
-    dictionary.save(str(destdir / "dict.txt"))
-    for source in ("s1", "s2"):
-        run_fairseq(
-            "preprocess", "--source-lang", source, "--target-lang", "tgt",
-            "--trainpref", text / "train", "--validpref", text / "valid", "--testpref", text / "test",
-            "--destdir", destdir, "--srcdict", destdir / "dict.txt", "--tgtdict", destdir / "dict.txt",
-            "--workers", "1",
-        )
 
 
 @pytest.fixture(scope="module")
 def n_way_bin(tmp_path_factory):
     root = tmp_path_factory.mktemp("n_way")
     text = write_n_way_corpus(root)
-    binarize(text, root / "bin")
+    binarize_n_way(text, root / "bin")
     for split, _ in SPLITS:
         shutil.copy(root / f"{split}.img.npy", root / "bin" / f"{split}.img.npy")
     return root / "bin"

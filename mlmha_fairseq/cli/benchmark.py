@@ -25,7 +25,6 @@ Usage: ``python -m mlmha_fairseq.cli.benchmark --output-dir bench`` (``--help`` 
 e.g. ``--device cuda --dtype bf16 --size base --sentences 128``; writes ``benchmark.json``, ``benchmark.csv``, ``benchmark.md`` and ``benchmark.png``.
 """
 import argparse
-import csv
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ import torch
 
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.cli.systems import BENCHMARK_KEYS, lookup
+from mlmha_fairseq.evaluation.text_io import write_csv, write_json, write_text
 
 logger = logging.getLogger("mlmha_fairseq.benchmark")
 BASELINE = BENCHMARK_KEYS[0]
@@ -364,19 +364,15 @@ def main(argv=None):
         row["peak_memory_mb"] = run_worker("memory-worker", name, argv)
         rows.append(row)
     rows = with_ratios(rows)
-    os.makedirs(opts.output_dir, exist_ok=True)
-    with open(os.path.join(opts.output_dir, "benchmark.json"), "w") as f:
-        device = torch.device(opts.device)
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        json.dump({"settings": {**vars(opts), "device_name": device_name, "torch": torch.__version__},
-                   "results": rows}, f, indent=2)
-    with open(os.path.join(opts.output_dir, "benchmark.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    device = torch.device(opts.device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    write_json(os.path.join(opts.output_dir, "benchmark.json"),
+               {"settings": {**vars(opts), "device_name": device_name, "torch": torch.__version__},
+                "results": rows})
+    write_csv(os.path.join(opts.output_dir, "benchmark.csv"),
+              [{column: row.get(column, "") for column in COLUMNS} for row in rows])
     table = markdown_table(rows)
-    with open(os.path.join(opts.output_dir, "benchmark.md"), "w") as f:
-        f.write(table)
+    write_text(os.path.join(opts.output_dir, "benchmark.md"), table)
     plot(rows, os.path.join(opts.output_dir, "benchmark.png"))
     print(table)
 

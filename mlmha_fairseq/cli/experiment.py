@@ -34,7 +34,6 @@ Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir D
     train_verses = 10000
     bpe_merges = 4000
 """
-import argparse
 import json
 import logging
 import os

@@ -32,6 +32,7 @@ from mlmha_fairseq.corpus.splits import (
     select_training, split_by_book,
 )
 from mlmha_fairseq.corpus.versions import Version, book_name, resolve_version
+from mlmha_fairseq.output_files import atomic_output
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _timed(timings: Dict[str, float], step: str):
 
 def _write_lines(path: str, lines: Sequence[str]) -> None:
     """Write one line per item, UTF-8, ``\\n``-terminated."""
-    with open(path, "w", encoding="utf-8") as handle:
+    with atomic_output(path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
         handle.writelines(line + "\n" for line in lines)
 
 
@@ -237,7 +238,8 @@ def build_corpus(config: BuildConfig) -> Dict:
     sizes = {split: len(splits[split]) for split in SPLITS}
     manifest = _manifest(config, versions, sides, held_out, sizes, dropped, db_sha256, pairs)
     manifest["timings_s"] = {**timings, "total": round(time.perf_counter() - started, 2)}
-    with open(os.path.join(config.out_dir, MANIFEST), "w", encoding="utf-8") as handle:
+    manifest_path = os.path.join(config.out_dir, MANIFEST)
+    with atomic_output(manifest_path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=2, ensure_ascii=False)
     logger.info("wrote %s: %s", config.out_dir,
                 ", ".join(f"{split} {n}" for split, n in sizes.items()))

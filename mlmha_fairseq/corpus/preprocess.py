@@ -21,6 +21,7 @@ from subword_nmt.learn_bpe import learn_bpe
 
 from mlmha_fairseq.corpus.errors import CorpusError
 from mlmha_fairseq.corpus.splits import TRAIN
+from mlmha_fairseq.output_files import atomic_output
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def learn_joint_bpe(corpora: Sequence[Sequence[str]], merges: int, codes_path: s
     """
     joint = io.StringIO("".join(line + "\n" for corpus in corpora for line in corpus))
     stderr = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
-    with open(codes_path, "w", encoding="utf-8") as codes, stderr:
+    with atomic_output(codes_path) as temporary, open(temporary, "w", encoding="utf-8") as codes, stderr:
         learn_bpe(joint, codes, merges, min_frequency=BPE_MIN_FREQUENCY)
 
 

@@ -2,13 +2,14 @@
 
     J(Y|X) = L_m(Y|X) + gamma * sum_{l in A} L_{a_l}(Y|X),    gamma = 1 in the thesis,
 
-every ``L`` being fairseq's token-level label-smoothed cross-entropy (the same epsilon for
-all decoders, spec §3.5(4)) against the same gold target with teacher forcing. Summed over
-tokens and normalised by the number of target tokens like fairseq's criterion, which is
-the authors' ``sum over decoders and tokens / #non-pad tokens`` (spec §3.2).
+every ``L`` being fairseq's token-level label-smoothed cross-entropy against the same gold
+target with teacher forcing; [choice] the thesis gives one smoothing value, used here for
+every decoder. Summed over tokens and normalised by the number of target tokens like
+fairseq's criterion, i.e. ``sum over decoders and tokens / #non-pad tokens``.
 
 Logged: ``loss`` and ``nll_loss`` are the **Main-Decoder's** (so fairseq's default
-``--best-checkpoint-metric loss`` selects checkpoints on the main decoder, spec §3.5(5)),
+``--best-checkpoint-metric loss`` selects checkpoints on the main decoder, the one that
+translates; the thesis does not say which loss selects them),
 ``joint_loss`` is the optimised J, and ``aux<l>_loss`` / ``aux<l>_nll_loss`` are those of the
 auxiliary decoder on encoder layer l.
 """
@@ -24,6 +25,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.logging import metrics
 
+from ..errors import UsageError
 from ..models.multi_level_supervision import AUX_LAYERS, AUX_OUT
 
 JOINT_LOSS = "joint_loss"
@@ -51,7 +53,7 @@ class MultiDecoderLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCr
                  report_accuracy=False, aux_loss_weight=1.0):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if aux_loss_weight < 0:
-            raise ValueError(f"--aux-loss-weight {aux_loss_weight} must be >= 0")
+            raise UsageError(f"--aux-loss-weight {aux_loss_weight} must be >= 0")
         self.aux_loss_weight = aux_loss_weight
 
     def forward(self, model, sample, reduce=True):

@@ -141,7 +141,7 @@ def _fusion_options(cfg) -> FusionOptions:
 
 def _first_fused_layer(cfg) -> int:
     """0 (the embedding output) unless --mlrf-no-embedding-layer, then 1."""
-    return EMBEDDING_LAYER + int(bool(safe_getattr(cfg, "mlrf_no_embedding_layer", False)))
+    return EMBEDDING_LAYER + int(cfg.mlrf_no_embedding_layer)
 
 
 def _layer_embedding_rows(cfg) -> int:

@@ -366,7 +366,9 @@ class SlotTransformerDecoder(TransformerDecoderBase):
     def fused_output(self, inner_states: List[Tensor]) -> Tensor:
         """The decoder output slot: fuse ``[embedding, layer 1..L]`` (each T x B x C) in
         place of the top layer, then finish as fairseq does (final LayerNorm, B x T x C,
-        output dimension)."""
+        output dimension). fairseq runs those three steps inside
+        ``extract_features_scriptable``, after its layer loop, with no method of their own
+        to call on another tensor, so they are written out again here."""
         x = self.output_fusion(inner_states)
         if self.layer_norm is not None:
             x = self.layer_norm(x)

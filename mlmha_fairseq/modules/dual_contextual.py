@@ -66,7 +66,7 @@ class LocalContextualUnit(nn.Module):
     Pad positions are zeroed before the convolution, so a real position sees zeros beyond
     its sentence whatever the amount of padding, left or right; they are zeroed again in
     ``l_c`` so that no pad row carries values. Dropout on ``r_hat`` before the residual
-    [choice] (spec §4.2: not stated).
+    [choice] (the thesis does not say).
 
     Causal units decode incrementally: the cache holds the last f-1 (zeroed) inputs per
     sentence, time-major ``(f-1) x B x C``, zeros before the first step (the left padding).

@@ -371,14 +371,16 @@ class MultiLayerMultiheadAttention(nn.Module):
     def reorder_incremental_state(
         self, incremental_state: IncrementalState, new_order: Tensor
     ) -> IncrementalState:
-        """Select the cached taps of the surviving hypotheses (beam search reorders
-        the batch at every step).
+        """Select the cached taps of the surviving hypotheses.
 
-        Always reorders: ``new_order`` may repeat rows (beams) or be shorter
-        than the cached batch (finished sentences).
+        As fairseq's encoder-decoder attention does: an order of the cached batch
+        size only moves hypotheses among the beams of their sentence, which share
+        the sentence's encoder output, so the cache stays as it is. Copying it would
+        cost n times the keys and values of a standard cross-attention at every
+        beam step. Any other order (finished sentences leaving the batch) selects rows.
         """
         buffer = self._get_input_buffer(incremental_state)
-        if not buffer:
+        if not buffer or buffer["key"].size(0) == new_order.size(0):
             return incremental_state
         for name, cached in buffer.items():
             if cached is not None:
