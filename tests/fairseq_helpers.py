@@ -215,13 +215,13 @@ def assert_beam_search_scores_match_full(model, dictionary, monkeypatch, beam_si
         model.decoder, "reorder_incremental_state_scripting",
         lambda state, new_order: sizes.append(new_order.numel()) or reorder(state, new_order),
     )
-    # An untrained model rarely ends a sentence: a higher EOS logit (in the generator and
-    # in the reference alike) makes sentences finish, at different steps for some bonus.
+    # An untrained model ends all its sentences at once or never: a shifted EOS logit (in the
+    # generator and in the reference alike) makes them finish at different steps.
     output_layer, eos_bonus = model.decoder.output_layer, torch.zeros(len(dictionary))
     monkeypatch.setattr(model.decoder, "output_layer", lambda features: output_layer(features) + eos_bonus)
     generator = SequenceGenerator([model], dictionary, beam_size=beam_size, max_len_b=10)
     with torch.no_grad():
-        for bonus in (1.0, 1.5, 2.0, 2.5, 3.0):
+        for bonus in torch.arange(-3.0, 4.0, 0.25).tolist():
             eos_bonus[dictionary.eos()], sizes[:] = bonus, []
             hypotheses = generator.generate([model], {"net_input": {"src_tokens": src, "src_lengths": lengths}})
             same_size = any(a == b for a, b in zip(sizes, sizes[1:]))

@@ -76,6 +76,7 @@ def test_incremental_decoding_matches_full_forward(options, norm):
     ids=list(VARIANTS) + ["transparent"],
 )
 def test_beam_search_scores_match_the_full_forward(options, monkeypatch):
+    torch.manual_seed(0)
     dictionary = toy_dictionary()
     model = build_model("slot_transformer", *options, dictionary=dictionary)
     assert_beam_search_scores_match_full(model, dictionary, monkeypatch)
