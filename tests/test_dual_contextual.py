@@ -9,6 +9,7 @@ import torch
 
 from fairseq_helpers import (
     PRE_NORM,
+    assert_beam_search_scores_match_full,
     assert_incremental_matches_full,
     assert_round_trip,
     build_model,
@@ -111,6 +112,16 @@ def test_incremental_decoding_equals_full_forward_with_beam_reordering(options):
     dictionary = toy_dictionary()
     model = build_model("slot_transformer", *options, dictionary=dictionary)
     assert_incremental_matches_full(model, dictionary)
+
+
+@pytest.mark.parametrize("kernel_size", ["2", "3"])
+def test_beam_search_scores_of_the_causal_module_match_the_full_forward(kernel_size, monkeypatch):
+    """The local unit's window of the last f-1 inputs follows its hypothesis through beam
+    search (hypotheses moving, sentences finishing)."""
+    torch.manual_seed(0)
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *FULL_DC, "--dc-kernel-size", kernel_size, dictionary=dictionary)
+    assert_beam_search_scores_match_full(model, dictionary, monkeypatch)
 
 
 # --- parameters, layers and presets ---------------------------------------------------------
