@@ -1,6 +1,7 @@
 """The benchmark module runs end to end and measures what it says (tiny settings)."""
 import json
 
+import pytest
 import torch
 
 from mlmha_fairseq.cli import benchmark
@@ -35,3 +36,15 @@ def test_half_precision_training_step_runs_fairseqs_fp16_optimizer():
     moved = [not torch.equal(b, p) for b, p in zip(before, subject.model.parameters())]
     assert sum(moved) > len(moved) // 2
     assert benchmark.sdpa_backend(subject, opts) in {"flash (cpu)", "math"}
+
+
+@pytest.mark.parametrize("name", [key for key in benchmark.CONFIGURATIONS if key != benchmark.BASELINE])
+def test_every_configuration_counts_its_flops(name):
+    """Each configuration's training step and beam search run under torch's FLOP counter
+    (whose module tracker refuses some tensors a model may hand between modules) and cost
+    at least what fairseq's transformer costs."""
+    opts = benchmark.parse_args(TINY + ["--device", "cpu"])
+    baseline = benchmark.Subject(benchmark.BASELINE, opts, torch.device("cpu"))
+    subject = benchmark.Subject(name, opts, torch.device("cpu"))
+    for action in ("train_step", "generate"):
+        assert subject.flops(action) >= baseline.flops(action) > 0

@@ -178,7 +178,10 @@ class LayerFusion(nn.Module):
         stacked = torch.stack(states[self.first_layer:])  # K x T x B x C
         rows = None
         if self.layer_embedding is not None:
-            rows = self.layer_embedding.weight[:len(stacked)]  # K x C: layers first..L
+            # K x C: layers first..L. A lookup, not a slice of the weight: torch's module
+            # tracker (used by its FLOP counter) fails on a slice of a parameter under no_grad.
+            positions = torch.arange(len(stacked), device=stacked.device)
+            rows = self.layer_embedding(positions)
         return self.fusion(stacked, rows)
 
     def upgrade_state_dict_named(self, state_dict, name):
