@@ -82,6 +82,24 @@ def test_beam_search_scores_match_the_full_forward(options, monkeypatch):
     assert_beam_search_scores_match_full(model, dictionary, monkeypatch)
 
 
+@pytest.mark.parametrize("options", [mlmha("M-10"), ["--layer-aggregation", "transparent"]],
+                         ids=["mlmha", "transparent"])
+def test_memory_entries_are_selected_only_when_the_batch_size_changes(options):
+    """fairseq's entries follow every order; the package's memory entries (read at the first
+    decoding step only) are not copied at an order of the same size, as in beam search."""
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *options, dictionary=dictionary).eval()
+    src, lengths, _ = random_batch(dictionary, batch_size=4)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=lengths)
+    (key,) = model.encoder.memories[next(iter(model.encoder.memories))].output_keys
+    kept = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([1, 1, 3, 2]))
+    assert kept[key][0] is encoder_out[key][0]
+    torch.testing.assert_close(kept["encoder_out"][0], encoder_out["encoder_out"][0][:, [1, 1, 3, 2]])
+    shrunk = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([2, 0, 2]))
+    torch.testing.assert_close(shrunk[key][0], encoder_out[key][0][..., [2, 0, 2], :])
+
+
 def test_collected_keys_and_values_are_projected_once_per_sentence():
     dictionary = toy_dictionary()
     model = build_model("slot_transformer", *mlmha("M-10"), dictionary=dictionary).eval()

@@ -14,6 +14,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_helpers import (
     NORMS,
+    assert_beam_search_scores_match_full,
     assert_incremental_matches_full,
     build_model,
     random_batch,
@@ -191,6 +192,15 @@ def test_incremental_decoding_matches_full_forward(options, norm):
     dictionary = toy_dictionary()
     model = build_model("ms_transformer", *options, *norm, dictionary=dictionary)
     assert_incremental_matches_full(model, dictionary)
+
+
+def test_beam_search_scores_match_the_full_forward_with_aif(monkeypatch):
+    """The auxiliary decoders, run in lock-step for AIF, follow their hypotheses through beam
+    search."""
+    torch.manual_seed(0)
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2", "--aux-fusion"), dictionary=dictionary)
+    assert_beam_search_scores_match_full(model, dictionary, monkeypatch)
 
 
 @NORMS

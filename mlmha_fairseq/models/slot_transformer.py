@@ -13,7 +13,7 @@ What the slots add to fairseq's data flow:
   module (several mechanisms may add one) reads fairseq's encoder output and returns the
   entries it declares in ``output_keys``: lists of time-major tensors ``(..., T, B, C)``,
   which :meth:`SlotTransformerEncoder.reorder_encoder_out` reorders along the batch
-  dimension (fairseq's own method drops unknown entries). A module may also replace
+  dimension (fairseq's own method drops unknown entries) when the batch size changes. A module may also replace
   ``encoder_out`` itself (the memory of the standard cross-attention).
 * A cross-attention module names the ``encoder_out`` entry it attends to
   (``memory_key``, default ``"encoder_out"``); the decoder hands that entry to every layer
@@ -282,10 +282,22 @@ class SlotTransformerEncoder(TransformerEncoderBase):
         return encoder_out
 
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order):
-        """fairseq's reordering, plus the memory slot's entries (batch dim is -2)."""
+        """fairseq's reordering, plus the memory slot's entries (batch dim is -2).
+
+        The memory entries are read at the first decoding step only: every cross-attention
+        caches their projections. At an order that keeps the batch size, beam search only
+        moves hypotheses among the beams of their sentence, which share its encoder output,
+        so these entries are kept as they are, as fairseq's encoder-decoder attention keeps
+        its cache (copying them would cost several encoder outputs per beam step). An order
+        of another size (the expansion to the beams, finished sentences) selects rows.
+        """
         reordered = super().reorder_encoder_out(encoder_out, new_order)
         for key, tensors in encoder_out.items():
-            if key not in reordered and key != "fc_results":
+            if key in reordered or key == "fc_results":
+                continue
+            if all(t.size(-2) == new_order.numel() for t in tensors):
+                reordered[key] = tensors
+            else:
                 reordered[key] = [t.index_select(t.dim() - 2, new_order) for t in tensors]
         return reordered
 
