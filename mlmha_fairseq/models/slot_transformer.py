@@ -289,7 +289,9 @@ class SlotTransformerEncoder(TransformerEncoderBase):
         moves hypotheses among the beams of their sentence, which share its encoder output,
         so these entries are kept as they are, as fairseq's encoder-decoder attention keeps
         its cache (copying them would cost several encoder outputs per beam step). An order
-        of another size (the expansion to the beams, finished sentences) selects rows.
+        of another size (the expansion to the beams, finished sentences) selects rows. A
+        caller that permutes sentences at a constant batch size and then runs the decoder
+        without an incremental state should encode the permuted batch instead.
         """
         reordered = super().reorder_encoder_out(encoder_out, new_order)
         for key, tensors in encoder_out.items():
