@@ -12,6 +12,7 @@ import sacrebleu
 import torch
 from fairseq import options, tasks
 from fairseq.data import Dictionary
+from fairseq.sequence_generator import SequenceGenerator
 
 import mlmha_fairseq
 
@@ -205,8 +206,6 @@ def assert_beam_search_scores_match_full(model, dictionary, monkeypatch, beam_si
     of a sentence, and finished sentences leaving the batch): every token score of every
     hypothesis equals the log-probability of that token in a full forward pass on the
     hypothesis alone, so a cache that follows the wrong hypothesis fails."""
-    from fairseq.sequence_generator import SequenceGenerator
-
     model.eval()
     src, lengths, _ = random_batch(dictionary, batch_size=8)
     sizes = []

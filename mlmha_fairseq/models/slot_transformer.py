@@ -13,8 +13,9 @@ What the slots add to fairseq's data flow:
   module (several mechanisms may add one) reads fairseq's encoder output and returns the
   entries it declares in ``output_keys``: lists of time-major tensors ``(..., T, B, C)``,
   which :meth:`SlotTransformerEncoder.reorder_encoder_out` reorders along the batch
-  dimension (fairseq's own method drops unknown entries) when the batch size changes. A module may also replace
-  ``encoder_out`` itself (the memory of the standard cross-attention).
+  dimension (fairseq's own method drops unknown entries) when the batch size changes. A
+  module may also replace ``encoder_out`` itself (the memory of the standard
+  cross-attention).
 * A cross-attention module names the ``encoder_out`` entry it attends to
   (``memory_key``, default ``"encoder_out"``); the decoder hands that entry to every layer
   in place of the top encoder layer, so fairseq's layer loop runs unchanged.
