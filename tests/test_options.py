@@ -134,3 +134,29 @@ def test_option_listing_command_line():
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].endswith("--arch nope: not an architecture of this "
                                                           "package; choose one of " + ", ".join(package_archs()))
+
+
+@pytest.mark.parametrize("arch, extra, mechanisms", [
+    ("slot_transformer", ["--encoder-self-attention", "mixed", "--dc-decoder-layers", "all",
+                          "--decoder-cross-attention", "multi-layer", "--mlrf-decoder-fusion", "sa"],
+     {"MMA": 1, "the Dual Contextual module": 1, "the collected encoder layers of MLMHA and layer aggregation": 1,
+      "MLRF": 1}),
+    ("ms_transformer", ["--aux-decoder-layers", "1,2", "--aux-fusion"], {"multi-level supervision": 1}),
+])
+def test_each_mechanism_parses_its_options_once_per_model(arch, extra, mechanisms):
+    """Every layer's filler asks for the options; they are parsed and validated once."""
+    calls = []
+    originals = {name: MECHANISMS[name].parse for name in mechanisms}
+
+    def counting(name):
+        return lambda cfg: calls.append(name) or originals[name](cfg)
+
+    try:
+        for name in mechanisms:  # the declarations are frozen: replace the parse function for this test
+            object.__setattr__(MECHANISMS[name], "parse", counting(name))
+        build(arch, *extra)
+        build(arch, *extra)
+    finally:
+        for name, parse in originals.items():
+            object.__setattr__(MECHANISMS[name], "parse", parse)
+    assert {name: calls.count(name) for name in mechanisms} == {name: 2 * n for name, n in mechanisms.items()}

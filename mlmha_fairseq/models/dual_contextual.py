@@ -20,6 +20,10 @@ follows the layer: post-norm (fairseq's default, the thesis' Eqs. 5.4-5.7) or, w
 
 Presets: ``dc_transformer_iwslt``, ``dc_transformer_wmt_en_de`` (Table 5.1).
 """
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import FrozenSet, Mapping
+
 from fairseq.models import register_model_architecture
 
 from ..errors import UsageError
@@ -37,6 +41,24 @@ def _on(args, side: str) -> bool:
     return (getattr(args, f"dc_{side}_layers", NO_LAYERS) or NO_LAYERS).strip().lower() != NO_LAYERS
 
 
+@dataclass(frozen=True)
+class DCOptions:
+    """Where the Dual Contextual module sits (0-based layers per stack) and its kernel width,
+    validated."""
+
+    layers: Mapping[str, FrozenSet[int]]  # "encoder"/"decoder" -> layers
+    kernel_size: int
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "DCOptions":
+        if cfg.dc_kernel_size < 1:
+            raise UsageError(f"--dc-kernel-size {cfg.dc_kernel_size}: the convolution width must be >= 1")
+        layers = {side: parse_layers(getattr(cfg, f"dc_{side}_layers"), getattr(cfg, side).layers,
+                                     f"--dc-{side}-layers", side)
+                  for side in ("encoder", "decoder")}
+        return cls(MappingProxyType(layers), cfg.dc_kernel_size)
+
+
 DUAL_CONTEXTUAL_MODULE = register_mechanism(Mechanism(
     "the Dual Contextual module",
     Switch("--dc-encoder-layers or --dc-decoder-layers", lambda args: _on(args, "encoder") or _on(args, "decoder")), (
@@ -49,18 +71,18 @@ DUAL_CONTEXTUAL_MODULE = register_mechanism(Mechanism(
         Option("--dc-kernel-size", DEFAULT_KERNEL_SIZE, "width f of the local unit's convolution "
                f"(default {DEFAULT_KERNEL_SIZE}, read from the thesis' parameter counts; f in 2..4 "
                "was best in its sweep)", argparse=dict(type=int, metavar="F")),
-    )))
+    ), parse=DCOptions.from_cfg))
 
 
 def _build(cfg, side: str, layer_idx: int, embed_dim: int):
     """The DC module for ``layer_idx`` of ``side`` ("encoder"/"decoder"), or None."""
-    stack = getattr(cfg, side)
-    if layer_idx not in parse_layers(getattr(cfg, f"dc_{side}_layers"), stack.layers, f"--dc-{side}-layers", side):
+    if not DUAL_CONTEXTUAL_MODULE.switch.is_on(cfg):
         return None
-    if cfg.dc_kernel_size < 1:
-        raise UsageError(f"--dc-kernel-size {cfg.dc_kernel_size}: the convolution width must be >= 1")
+    options = DUAL_CONTEXTUAL_MODULE.parsed(cfg)
+    if layer_idx not in options.layers[side]:
+        return None
     return DualContextual(
-        embed_dim, stack.attention_heads, cfg.dc_kernel_size,
+        embed_dim, getattr(cfg, side).attention_heads, options.kernel_size,
         causal=side == "decoder", dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
     )
 

@@ -79,29 +79,6 @@ LAYER_AGGREGATION = register_mechanism(Mechanism(
                is_switch=True),
     )))
 
-_MASKED = Switch("--mlmha-mask-encoder-layer (--mask-encoder-layer)",
-                 lambda args: getattr(args, "mlmha_mask_encoder_layer", None) is not None)
-
-COLLECTED_LAYERS = register_mechanism(Mechanism(
-    "the collected encoder layers of MLMHA and layer aggregation",
-    Switch(f"--decoder-cross-attention {MULTI_LAYER} or --layer-aggregation "
-           f"{'|'.join(LAYER_AGGREGATION_CHOICES)}",
-           lambda args: _uses_multi_layer_attention(args) or _aggregates(args)), (
-        Option("--mlmha-top-n", None, "number n of top encoder layers that MLMHA attends to or "
-               "layer aggregation combines, 1..encoder layers (default: all)",
-               aliases=("--top-encoder-layers",), argparse=dict(type=int, metavar="N"),
-               none_means=lambda args: args.encoder_layers),
-        Option("--mlmha-mask-encoder-layer", None, "ablation (inference) of MLMHA or layer "
-               "aggregation: remove what encoder layer L (1..L) contributes, e.g. fairseq-generate "
-               "--model-overrides \"{'mlmha_mask_encoder_layer': 3}\"",
-               aliases=("--mask-encoder-layer",), argparse=dict(type=int, metavar="L")),
-        Option("--mlmha-mask-mode", MASK_ZERO, "zero: replace the masked layer's collected state "
-               "by zeros (the paper's words); drop: remove its attention logits and context (the "
-               "bias-free reading; MLMHA only)", aliases=("--mask-encoder-layer-mode",),
-               argparse=dict(choices=(MASK_ZERO, MASK_DROP)), needs=_MASKED),
-    )))
-
-
 @dataclass(frozen=True)
 class CollectedLayers:
     """Which encoder layers MLMHA or layer aggregation collects, and the masked one."""
@@ -135,6 +112,29 @@ class CollectedLayers:
         zeroed = self.masked_layer if self.mask_mode == MASK_ZERO else None
         return SourceFeatureCollector(self.top_n, cfg.encoder.embed_dim, cfg.encoder.normalize_before,
                                       zeroed_layer=zeroed)
+
+
+_MASKED = Switch("--mlmha-mask-encoder-layer (--mask-encoder-layer)",
+                 lambda args: getattr(args, "mlmha_mask_encoder_layer", None) is not None)
+
+COLLECTED_LAYERS = register_mechanism(Mechanism(
+    "the collected encoder layers of MLMHA and layer aggregation",
+    Switch(f"--decoder-cross-attention {MULTI_LAYER} or --layer-aggregation "
+           f"{'|'.join(LAYER_AGGREGATION_CHOICES)}",
+           lambda args: _uses_multi_layer_attention(args) or _aggregates(args)), (
+        Option("--mlmha-top-n", None, "number n of top encoder layers that MLMHA attends to or "
+               "layer aggregation combines, 1..encoder layers (default: all)",
+               aliases=("--top-encoder-layers",), argparse=dict(type=int, metavar="N"),
+               none_means=lambda args: args.encoder_layers),
+        Option("--mlmha-mask-encoder-layer", None, "ablation (inference) of MLMHA or layer "
+               "aggregation: remove what encoder layer L (1..L) contributes, e.g. fairseq-generate "
+               "--model-overrides \"{'mlmha_mask_encoder_layer': 3}\"",
+               aliases=("--mask-encoder-layer",), argparse=dict(type=int, metavar="L")),
+        Option("--mlmha-mask-mode", MASK_ZERO, "zero: replace the masked layer's collected state "
+               "by zeros (the paper's words); drop: remove its attention logits and context (the "
+               "bias-free reading; MLMHA only)", aliases=("--mask-encoder-layer-mode",),
+               argparse=dict(choices=(MASK_ZERO, MASK_DROP)), needs=_MASKED),
+    ), parse=CollectedLayers.from_cfg))
 
 
 class CollectedTaps(nn.Module):
@@ -204,7 +204,7 @@ class TransparentCrossAttention(MultiheadAttention):
 def build_multi_layer_attention(cfg, layer_idx, embed_dim):
     if cfg.encoder.embed_dim != embed_dim:
         raise UsageError("--decoder-cross-attention multi-layer needs --encoder-embed-dim == --decoder-embed-dim")
-    layers = CollectedLayers.from_cfg(cfg)
+    layers = COLLECTED_LAYERS.parsed(cfg)
     joint_weights, concat_contexts = parse_variant(cfg.mlmha_variant)
     return MultiLayerMultiheadAttention(
         embed_dim, cfg.decoder.attention_heads, layers.top_n, joint_weights, concat_contexts,
@@ -230,14 +230,14 @@ def build_transparent_cross_attention(cfg, layer_idx, embed_dim):
 def build_collected_taps(cfg, num_layers):
     if not _uses_multi_layer_attention(cfg):
         return None
-    return CollectedTaps(CollectedLayers.from_cfg(cfg).collector(cfg))
+    return CollectedTaps(COLLECTED_LAYERS.parsed(cfg).collector(cfg))
 
 
 @ENCODER_MEMORY.register("layer_aggregation")
 def build_aggregated_memory(cfg, num_layers):
     if not _aggregates(cfg):
         return None
-    layers = CollectedLayers.from_cfg(cfg)
+    layers = COLLECTED_LAYERS.parsed(cfg)
     if layers.mask_mode == MASK_DROP and layers.masked_layer is not None:
         raise UsageError("--mlmha-mask-mode drop applies to MLMHA only; use zero with --layer-aggregation")
     aggregation = build_layer_aggregation(

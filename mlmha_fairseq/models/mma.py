@@ -33,30 +33,6 @@ MIXED = "mixed"
 DEFAULT_WINDOW = 1  # Table 5: w = 1 is best and is the main result's setting
 
 
-MMA = register_mechanism(Mechanism(
-    "MMA", Switch(f"--encoder-self-attention {MIXED}",
-                  lambda args: getattr(args, "encoder_self_attention", None) == MIXED), (
-        Option("--mma-heads", None, "MMA head types in head order, one of G (global), L (local), "
-               "F (forward: itself and later), B (backward: itself and earlier) per head, e.g. "
-               "G,G,L,L,F,F,B,B (default: H/4 heads of each type in blocks G, L, F, B)",
-               argparse=dict(metavar="SPEC")),
-        Option("--mma-local-window", DEFAULT_WINDOW, "window of the local heads: query i sees keys "
-               f"i-W..i+W, in tokens of the model's input, EOS included (default: {DEFAULT_WINDOW})",
-               argparse=dict(type=int, metavar="W")),
-        Option("--mma-layers", ALL_LAYERS, "encoder layers with MMA, 1-based: 'all' (default), "
-               "'none' or a list of layers and ranges such as 1-3,6; the others keep fairseq's "
-               "self-attention", argparse=dict(metavar="LAYERS")),
-    )))
-
-# Cui et al. 2019, Table 3 ("- Position Embedding"): an ablation of its own, also without MMA
-ENCODER_POSITIONS = register_mechanism(Mechanism(
-    "encoder without positions", Switch("--encoder-no-token-positional-embeddings", lambda args: True), (
-        Option("--encoder-no-token-positional-embeddings", False, "no positional embeddings in the "
-               "encoder; the decoder keeps them (Cui et al. 2019, Table 3)",
-               argparse=dict(action="store_true"), is_switch=True),
-    )))
-
-
 @dataclass(frozen=True)
 class MMAOptions:
     """The head types, window and layers of MMA, validated."""
@@ -92,7 +68,7 @@ def parse_head_types(heads: str, num_heads: int) -> Tuple[str, ...]:
     return head_types
 
 
-@functools.lru_cache(maxsize=None)  # one warning per head count, not one per layer
+@functools.lru_cache(maxsize=None)  # one warning per head count and process
 def default_head_types(num_heads: int) -> Tuple[str, ...]:
     """[choice] contiguous blocks in the order of
     Concat(head_G, head_L, head_F, head_B), H/4 heads per type: G,L,F,B (4 heads),
@@ -105,10 +81,34 @@ def default_head_types(num_heads: int) -> Tuple[str, ...]:
     return head_types
 
 
+MMA = register_mechanism(Mechanism(
+    "MMA", Switch(f"--encoder-self-attention {MIXED}",
+                  lambda args: getattr(args, "encoder_self_attention", None) == MIXED), (
+        Option("--mma-heads", None, "MMA head types in head order, one of G (global), L (local), "
+               "F (forward: itself and later), B (backward: itself and earlier) per head, e.g. "
+               "G,G,L,L,F,F,B,B (default: H/4 heads of each type in blocks G, L, F, B)",
+               argparse=dict(metavar="SPEC")),
+        Option("--mma-local-window", DEFAULT_WINDOW, "window of the local heads: query i sees keys "
+               f"i-W..i+W, in tokens of the model's input, EOS included (default: {DEFAULT_WINDOW})",
+               argparse=dict(type=int, metavar="W")),
+        Option("--mma-layers", ALL_LAYERS, "encoder layers with MMA, 1-based: 'all' (default), "
+               "'none' or a list of layers and ranges such as 1-3,6; the others keep fairseq's "
+               "self-attention", argparse=dict(metavar="LAYERS")),
+    ), parse=MMAOptions.from_cfg))
+
+# Cui et al. 2019, Table 3 ("- Position Embedding"): an ablation of its own, also without MMA
+ENCODER_POSITIONS = register_mechanism(Mechanism(
+    "encoder without positions", Switch("--encoder-no-token-positional-embeddings", lambda args: True), (
+        Option("--encoder-no-token-positional-embeddings", False, "no positional embeddings in the "
+               "encoder; the decoder keeps them (Cui et al. 2019, Table 3)",
+               argparse=dict(action="store_true"), is_switch=True),
+    )))
+
+
 @ENCODER_SELF_ATTENTION.register(MIXED, selectable=True)
 def build_mixed_attention(cfg, layer_idx, embed_dim):
     """MMA in the layers of ``--mma-layers``; None (fairseq's attention) elsewhere."""
-    options = MMAOptions.from_cfg(cfg)
+    options = MMA.parsed(cfg)
     if layer_idx not in options.layers:
         return None
     return MixedMultiheadAttention(

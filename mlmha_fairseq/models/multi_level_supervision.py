@@ -79,33 +79,6 @@ def _has_aux_decoders(args) -> bool:
     return str(getattr(args, "aux_decoder_layers", NO_AUX)).strip().lower() != NO_AUX
 
 
-MULTI_LEVEL_SUPERVISION = register_mechanism(Mechanism(
-    "multi-level supervision", Switch("--aux-decoder-layers", _has_aux_decoders), (
-        Option("--aux-decoder-layers", "1", "attach an auxiliary decoder to each of these encoder "
-               "layers (1-based, each < the number of encoder layers; 'none' for none), e.g. 1 "
-               "(MS-1) or 1,2,3 (MS-123)", argparse=dict(metavar="L1,L2,..."), is_switch=True),
-        Option("--aux-fusion", False, "AIF: add the auxiliary decoders' final states to every "
-               "main-decoder layer after its self-attention (one bias-free d x d matrix per layer "
-               "and auxiliary decoder)", argparse=dict(action="store_true"), is_switch=True),
-        Option("--aux-fusion-dropout", 0.0, "dropout on the fused vector z^f (default 0: none, as "
-               "in the thesis)", argparse=dict(type=float, metavar="P"), needs=_AIF),
-        Option("--zero-aif", False, "analysis: the 'ind-decoder', AIF weights taken as zero (thesis "
-               "§4.5.5), e.g. fairseq-generate --model-overrides \"{'zero_aif': True}\"",
-               argparse=dict(action="store_true"), needs=_AIF),
-        Option("--decode-from", MAIN, "inference: produce the output with the main decoder (default) "
-               "or with the auxiliary decoder of encoder layer L alone (thesis Table 4.7), e.g. "
-               "fairseq-generate --model-overrides \"{'decode_from': 'aux:1'}\"",
-               argparse=dict(metavar="main|aux:L")),
-    ), slot_wide=False))
-
-
-def add_args(parser):
-    """Options of multi-level supervision (fairseq passes its model argument group)."""
-    MULTI_LEVEL_SUPERVISION.add_args(parser)
-    parser.add_argument("--no-aux-fusion", dest="aux_fusion", action="store_false",
-                        help="no AIF (to switch off a preset's --aux-fusion)")
-
-
 def aux_layers(cfg) -> List[int]:
     """The encoder layers (1-based, ascending) that feed an auxiliary decoder, validated."""
     spec = getattr(cfg, "aux_decoder_layers", NO_AUX)  # absent: a model without the option
@@ -159,6 +132,33 @@ class SupervisionOptions:
                    _decode_from(cfg.decode_from, layers))
 
 
+MULTI_LEVEL_SUPERVISION = register_mechanism(Mechanism(
+    "multi-level supervision", Switch("--aux-decoder-layers", _has_aux_decoders), (
+        Option("--aux-decoder-layers", "1", "attach an auxiliary decoder to each of these encoder "
+               "layers (1-based, each < the number of encoder layers; 'none' for none), e.g. 1 "
+               "(MS-1) or 1,2,3 (MS-123)", argparse=dict(metavar="L1,L2,..."), is_switch=True),
+        Option("--aux-fusion", False, "AIF: add the auxiliary decoders' final states to every "
+               "main-decoder layer after its self-attention (one bias-free d x d matrix per layer "
+               "and auxiliary decoder)", argparse=dict(action="store_true"), is_switch=True),
+        Option("--aux-fusion-dropout", 0.0, "dropout on the fused vector z^f (default 0: none, as "
+               "in the thesis)", argparse=dict(type=float, metavar="P"), needs=_AIF),
+        Option("--zero-aif", False, "analysis: the 'ind-decoder', AIF weights taken as zero (thesis "
+               "§4.5.5), e.g. fairseq-generate --model-overrides \"{'zero_aif': True}\"",
+               argparse=dict(action="store_true"), needs=_AIF),
+        Option("--decode-from", MAIN, "inference: produce the output with the main decoder (default) "
+               "or with the auxiliary decoder of encoder layer L alone (thesis Table 4.7), e.g. "
+               "fairseq-generate --model-overrides \"{'decode_from': 'aux:1'}\"",
+               argparse=dict(metavar="main|aux:L")),
+    ), slot_wide=False, parse=SupervisionOptions.from_cfg))
+
+
+def add_args(parser):
+    """Options of multi-level supervision (fairseq passes its model argument group)."""
+    MULTI_LEVEL_SUPERVISION.add_args(parser)
+    parser.add_argument("--no-aux-fusion", dest="aux_fusion", action="store_false",
+                        help="no AIF (to switch off a preset's --aux-fusion)")
+
+
 class AuxiliaryMemories(nn.Module):
     """Encoder memory slot: the memory ``H_e^l`` of every auxiliary decoder (thesis §4.3),
     stacked as ``K x T x B x C`` under ``encoder_out["aux_memories"]``, so that fairseq's
@@ -187,9 +187,9 @@ class AuxiliaryMemories(nn.Module):
 
 @ENCODER_MEMORY.register(AUX_MEMORIES)
 def build_aux_memories(cfg, num_layers):
-    layers = aux_layers(cfg)
-    if not layers:
+    if not _has_aux_decoders(cfg):
         return None
+    layers = list(MULTI_LEVEL_SUPERVISION.parsed(cfg).aux_layers)
     return AuxiliaryMemories(layers, cfg.encoder.embed_dim, cfg.encoder.normalize_before)
 
 
@@ -221,7 +221,7 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
     """
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
-        self.options = SupervisionOptions.from_cfg(cfg)  # read by build_decoder_layer in super().__init__
+        self.options = MULTI_LEVEL_SUPERVISION.parsed(cfg)  # read by build_decoder_layer in super().__init__
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
         self.aux_layers = list(self.options.aux_layers)
         self._check_compatible(no_encoder_attn)

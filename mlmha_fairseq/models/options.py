@@ -6,7 +6,9 @@ come the ``argparse`` options (:meth:`Mechanism.add_args`), the defaults for opt
 user or an older checkpoint did not give (:meth:`Mechanism.set_defaults`: each default is
 written once, in its :class:`Option`), the check that no option is set while its
 mechanism is off (:func:`check_options`, run when a model is built) and the option listing
-of ``python -m mlmha_fairseq.cli.options``.
+of ``python -m mlmha_fairseq.cli.options``. A mechanism with a ``parse`` function also turns
+its option values into one frozen, validated object (:meth:`Mechanism.parsed`), built once per
+model: its modules take their settings from that object, through their constructors.
 
 "Set" means "differs from the option's default", so that the arguments stored in a
 checkpoint, which hold every default, pass the check, and a preset that sets a default of
@@ -19,6 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from ..errors import UsageError
 
 _MISSING = object()
+_PARSED = "_mlmha_fairseq_parsed_options"
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,25 @@ class Option:
 
 @dataclass(frozen=True)
 class Mechanism:
-    """A mechanism's name, its switch and its options."""
+    """A mechanism's name, its switch and its options; ``parse(cfg)``: the options of a
+    model configuration as the mechanism's frozen options object, validated
+    (:class:`~mlmha_fairseq.errors.UsageError` for a bad value)."""
 
     name: str
     switch: Switch
     options: Tuple[Option, ...]
     slot_wide: bool = True  # options of every slot model; else added by one model's add_args
+    parse: Optional[Callable[[Any], Any]] = None
+
+    def parsed(self, cfg):
+        """``parse(cfg)``, computed once per model configuration: fairseq builds the encoder,
+        the decoder and all their layers from one ``TransformerConfig``, and every filler of
+        this mechanism asks for it. The object is kept on that configuration, which is the
+        model's own copy (never written into ``args`` or a checkpoint)."""
+        cache = vars(cfg).setdefault(_PARSED, {})
+        if self.name not in cache:
+            cache[self.name] = self.parse(cfg)
+        return cache[self.name]
 
     def add_args(self, parser):
         for option in self.options:

@@ -68,6 +68,29 @@ def _needs(*functions: str) -> Switch:
 
 _SA, _FNN_OR_SA = _needs(SA), _needs(FNN, SA)
 
+
+def _fusion_options(cfg) -> FusionOptions:
+    """The fusion hyper-parameters of ``cfg``, validated."""
+    options = FusionOptions(
+        hops=cfg.mlrf_hops,
+        attention_dim=cfg.mlrf_attention_dim,
+        ffn_dim=cfg.mlrf_ffn_dim,
+        attention_activation=cfg.mlrf_attention_activation,
+        ffn_activation=cfg.mlrf_ffn_activation,
+        independent_w1=cfg.mlrf_indep_w1,
+        attention_bias=cfg.mlrf_attention_bias,
+        dropout=cfg.mlrf_fusion_dropout,
+        average_layer_norm=not cfg.mlrf_no_avg_layernorm,
+    )
+    for flag, value in (("--mlrf-hops", options.hops), ("--mlrf-attention-dim", options.attention_dim),
+                        ("--mlrf-ffn-dim", options.ffn_dim)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} must be >= 1")
+    if not 0.0 <= options.dropout < 1.0:
+        raise UsageError(f"--mlrf-fusion-dropout {options.dropout} must be in [0, 1)")
+    return options
+
+
 MLRF = register_mechanism(Mechanism(
     "MLRF", _needs(*FUSION_FUNCTIONS), (
         *(Option(f"--mlrf-{side}-fusion", NONE, f"fuse all {side} layer outputs (embedding included) "
@@ -100,7 +123,7 @@ MLRF = register_mechanism(Mechanism(
                f"(default {DEFAULTS.dropout})", argparse=dict(type=float, metavar="P"), needs=_FNN_OR_SA),
         Option("--mlrf-no-avg-layernorm", not DEFAULTS.average_layer_norm, "AVG fusion without the "
                "LayerNorm after it", argparse=dict(action="store_true"), needs=_needs(AVG)),
-    )))
+    ), parse=_fusion_options))
 
 
 def _num_layers(cfg, side: str) -> int:
@@ -115,28 +138,6 @@ def _uses_layer_embedding(cfg, side: str) -> bool:
     """FNN and SA add the layer embedding unless --mlrf-no-layer-embedding (Wang et al.
     2018, Eq. 4)."""
     return _function(cfg, side) in (FNN, SA) and not cfg.mlrf_no_layer_embedding
-
-
-def _fusion_options(cfg) -> FusionOptions:
-    """The fusion hyper-parameters of ``cfg``, validated."""
-    options = FusionOptions(
-        hops=cfg.mlrf_hops,
-        attention_dim=cfg.mlrf_attention_dim,
-        ffn_dim=cfg.mlrf_ffn_dim,
-        attention_activation=cfg.mlrf_attention_activation,
-        ffn_activation=cfg.mlrf_ffn_activation,
-        independent_w1=cfg.mlrf_indep_w1,
-        attention_bias=cfg.mlrf_attention_bias,
-        dropout=cfg.mlrf_fusion_dropout,
-        average_layer_norm=not cfg.mlrf_no_avg_layernorm,
-    )
-    for flag, value in (("--mlrf-hops", options.hops), ("--mlrf-attention-dim", options.attention_dim),
-                        ("--mlrf-ffn-dim", options.ffn_dim)):
-        if value < 1:
-            raise UsageError(f"{flag} {value} must be >= 1")
-    if not 0.0 <= options.dropout < 1.0:
-        raise UsageError(f"--mlrf-fusion-dropout {options.dropout} must be in [0, 1)")
-    return options
 
 
 def _first_fused_layer(cfg) -> int:
@@ -228,7 +229,7 @@ def _build_layer_fusion(wrapper, cfg, side: str, num_layers: int) -> Optional[La
     include_embedding_layer = not cfg.mlrf_no_embedding_layer
     num_states = num_layers + int(include_embedding_layer)  # K
     embed_dim = _embed_dim(cfg, side)
-    fusion = build_fusion(function, num_states, embed_dim, _fusion_options(cfg))
+    fusion = build_fusion(function, num_states, embed_dim, MLRF.parsed(cfg))
     layer_embedding = None
     if _uses_layer_embedding(cfg, side):
         layer_embedding = build_layer_embedding(_layer_embedding_rows(cfg), embed_dim)
