@@ -11,11 +11,9 @@ import pytest
 import torch
 
 import reference_transformer as ref
-from fairseq_helpers import build_model, random_batch
+from fairseq_helpers import NORMS, build_model, random_batch
 
 ENCODER_LAYERS, DECODER_LAYERS, HEADS = 3, 2, 2  # TINY_MODEL_ARGS
-PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
-NORMS = pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
 PADDING = pytest.mark.parametrize("left_pad", [True, False], ids=["left-pad", "right-pad"])
 ATOL = 1e-6
 
