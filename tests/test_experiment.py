@@ -103,3 +103,24 @@ def test_a_truncated_last_checkpoint_is_replaced_by_the_newest_update_checkpoint
         (tmp_path / "checkpoints" / name).write_bytes(content)
     experiment.usable_last_checkpoint(run)
     assert (tmp_path / "checkpoints" / "checkpoint_last.pt").read_bytes() == b"ten"
+
+
+def test_a_corpus_built_with_the_same_settings_is_kept(tmp_path, monkeypatch):
+    """A rerun must not rebuild the corpus its finished runs were trained on (and two grids
+    sharing a work directory must not rewrite it under each other)."""
+    built = []
+    monkeypatch.setattr(experiment, "run_command", lambda command, *rest: built.append(command))
+    corpus = tmp_path / "corpus"
+    settings = (["es", "fr"], "en", str(corpus), 1000, 400, str(tmp_path))
+    experiment.build_corpus(*settings)
+    assert len(built) == 1  # no manifest: built
+    corpus.mkdir()
+    manifest = {"sources": ["es", "fr"], "target": "en", "bpe": {"merges_requested": 400},
+                "train_selection": {"max_train_verses": 1000, "max_tokens_per_verse": 50}}
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    experiment.build_corpus(*settings)
+    assert len(built) == 1  # the same settings: kept
+    for changed in ((["es", "de"], *settings[1:]), (*settings[:3], 2000, *settings[4:]),
+                    (*settings[:4], 800, settings[5])):
+        experiment.build_corpus(*changed)
+    assert len(built) == 4  # other sources, training verses or merges: built again

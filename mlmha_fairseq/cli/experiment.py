@@ -48,6 +48,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import mlmha_fairseq
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.cli.systems import System, lookup
+from mlmha_fairseq.corpus.builder import MANIFEST
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
 from mlmha_fairseq.evaluation.text_io import read_lines, write_text
@@ -114,11 +115,34 @@ def run_command(command: List[str], log_path: str, work_dir: str,
     logger.info("  done in %.0f s", time.time() - start)
 
 
+MAX_TOKENS_PER_VERSE = 50
+
+
+def corpus_is_built(corpus_dir: str, sources: Sequence[str], target: str, train_verses: Optional[int],
+                    bpe_merges: int) -> bool:
+    """Whether ``corpus_dir`` holds a finished build with these settings: the builder writes
+    its manifest last (atomically), so a manifest means every file is in place."""
+    try:
+        with open(os.path.join(corpus_dir, MANIFEST), encoding="utf-8") as handle:
+            manifest = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return (manifest.get("sources") == list(sources) and manifest.get("target") == target
+            and manifest.get("train_selection", {}).get("max_train_verses") == train_verses
+            and manifest.get("train_selection", {}).get("max_tokens_per_verse") == MAX_TOKENS_PER_VERSE
+            and manifest.get("bpe", {}).get("merges_requested") == bpe_merges)
+
+
 def build_corpus(sources: Sequence[str], target: str, corpus_dir: str, train_verses: Optional[int],
                  bpe_merges: int, work_dir: str) -> None:
-    """The verse-aligned Bible corpus with ``mlmha_fairseq.cli.build_corpus``."""
+    """The verse-aligned Bible corpus with ``mlmha_fairseq.cli.build_corpus``, unless an
+    earlier run already built it with the same settings (a rerun resumes the grid, it does
+    not rebuild the data its finished runs were trained on)."""
+    if corpus_is_built(corpus_dir, sources, target, train_verses, bpe_merges):
+        logger.info("  corpus %s: built earlier with these settings, kept", corpus_dir)
+        return
     options = ["--sources", *sources, "--target", target, "--out-dir", corpus_dir,
-               "--max-tokens-per-verse", "50", "--bpe-merges", str(bpe_merges)]
+               "--max-tokens-per-verse", str(MAX_TOKENS_PER_VERSE), "--bpe-merges", str(bpe_merges)]
     if train_verses:
         options += ["--max-train-verses", str(train_verses)]
     try:
