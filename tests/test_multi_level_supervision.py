@@ -10,6 +10,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     label_smoothed_nll_loss,
 )
+from fairseq.logging import metrics
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_helpers import (
@@ -116,6 +117,205 @@ def test_gamma_zero_equals_fairseq_label_smoothed_cross_entropy():
     assert ours[1] == fairseqs[1]
     for key in ("loss", "nll_loss", "ntokens", "nsentences", "sample_size"):
         assert ours[2][key] == fairseqs[2][key], key
+
+
+def label_smoothed_ce(logits, target, epsilon, pad):
+    """fairseq's token-level label-smoothed cross-entropy in plain torch, per target token
+    (B*T), zero at padding: ``(1 - eps - eps_i) * nll + eps_i * sum_v -log p_v`` with
+    ``eps_i = eps / (V - 1)``; and the token's nll."""
+    lprobs = torch.log_softmax(logits, dim=-1).reshape(-1, logits.size(-1))
+    target = target.reshape(-1)
+    nll = -lprobs[torch.arange(target.numel()), target]
+    smooth = -lprobs.sum(dim=-1)
+    eps_i = epsilon / (logits.size(-1) - 1)
+    keep = target.ne(pad)
+    return ((1 - epsilon - eps_i) * nll + eps_i * smooth) * keep, nll * keep
+
+
+def close(got, expected, msg=None):
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5, msg=msg)
+
+
+def decoder_logits(model, sample):
+    """The logits of the Main-Decoder and of each auxiliary decoder (teacher forcing).
+    The models of these tests are float64; fairseq's criterion takes the log-softmax in
+    float32 (``get_normalized_probs``), hence ``close`` below: float32 against float64."""
+    with torch.no_grad():
+        logits, extra = model(**sample["net_input"])
+    return [logits] + [aux_logits for aux_logits, _ in extra["aux_out"]]
+
+
+@pytest.mark.parametrize("sentence_avg", [False, True], ids=["per-token", "sentence-avg"])
+@pytest.mark.parametrize("prefix", [0, 1], ids=["whole-target", "ignore-prefix-1"])
+def test_unreduced_joint_loss_is_the_per_token_equation(sentence_avg, prefix):
+    """Eq. 4.1 per target token (``reduce=False``): J_t = L_m,t + gamma * (L_a1,t + L_a2,t),
+    each the label-smoothed CE of plain torch on the target without its first ``prefix``
+    tokens (``--ignore-prefix-size``); the sample size is fairseq's: target tokens, or
+    sentences with ``--sentence-avg``. float64."""
+    dictionary, gamma = toy_dictionary(), 0.5
+    model = build_model("ms_transformer", *ms("1,2"), dictionary=dictionary).double().eval()
+    sample = toy_sample(dictionary)
+    criterion_ = MultiDecoderLabelSmoothedCrossEntropyCriterion(
+        Task(dictionary), sentence_avg, EPSILON, ignore_prefix_size=prefix, aux_loss_weight=gamma)
+    loss, sample_size, logs = criterion_(model, sample, reduce=False)
+    target = sample["target"][:, prefix:]
+    main, aux1, aux2 = [label_smoothed_ce(x[:, prefix:], target, EPSILON, dictionary.pad())
+                        for x in decoder_logits(model, sample)]
+    close(loss.detach().view(-1), main[0] + gamma * (aux1[0] + aux2[0]))
+    close(logs["loss"].view(-1), main[0])
+    close(logs["aux2_nll_loss"].view(-1), aux2[1])
+    assert sample_size == logs["sample_size"] == (4 if sentence_avg else sample["ntokens"])
+    assert sample["ntokens"] != 4 and logs["nsentences"] == 4
+
+
+def test_reduced_losses_and_logs_are_the_summed_equation():
+    """Eq. 4.1 summed over the target tokens, and the logged entries: the Main-Decoder's loss
+    and nll, each auxiliary decoder's loss and nll (plain torch, float64)."""
+    dictionary, gamma = toy_dictionary(), 0.5
+    model = build_model("ms_transformer", *ms("1,2"), dictionary=dictionary).double().eval()
+    sample = toy_sample(dictionary)
+    loss, sample_size, logs = criterion(dictionary, gamma)(model, sample)
+    main, aux1, aux2 = [[t.sum() for t in label_smoothed_ce(x, sample["target"], EPSILON, dictionary.pad())]
+                        for x in decoder_logits(model, sample)]
+    close(loss.detach(), main[0] + gamma * (aux1[0] + aux2[0]))
+    expected = {"loss": main[0], "nll_loss": main[1], "aux1_loss": aux1[0], "aux1_nll_loss": aux1[1],
+                "aux2_loss": aux2[0], "aux2_nll_loss": aux2[1], "joint_loss": main[0] + gamma * (aux1[0] + aux2[0])}
+    assert set(logs) == set(expected) | {"ntokens", "nsentences", "sample_size"}
+    for key, value in expected.items():
+        close(logs[key], value, msg=key)
+    assert sample_size == logs["sample_size"] == logs["ntokens"] == sample["ntokens"]
+
+
+def test_default_arguments_are_the_command_line_defaults():
+    """Built with the required arguments only, the criterion is the one of the command line's
+    defaults: gamma = 1 (thesis Eq. 4.1, all its experiments) and no accuracy."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1"), dictionary=dictionary).double().eval()
+    sample = toy_sample(dictionary)
+    loss, _, logs = MultiDecoderLabelSmoothedCrossEntropyCriterion(Task(dictionary), False, EPSILON)(model, sample)
+    main, aux = [label_smoothed_ce(x, sample["target"], EPSILON, dictionary.pad())[0].sum()
+                 for x in decoder_logits(model, sample)]
+    close(loss.detach(), main + 1.0 * aux)
+    assert "n_correct" not in logs and "total" not in logs
+
+
+def test_accuracy_is_the_main_decoders():
+    """``--report-accuracy``: the Main-Decoder's argmax against the non-pad target tokens;
+    the target is made to agree with the argmax on some tokens, so the count is not 0."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1"), dictionary=dictionary).double().eval()
+    sample = toy_sample(dictionary)
+    main, aux = decoder_logits(model, sample)
+    predicted = main.argmax(-1)
+    target = sample["target"]
+    target[:, :2] = predicted[:, :2]
+    target[:, 2:4] = (predicted[:, 2:4] - dictionary.nspecial + 1) % (len(dictionary) - dictionary.nspecial) \
+        + dictionary.nspecial
+    target[0, -2:] = dictionary.pad()
+    non_pad = target.ne(dictionary.pad())
+    expected_correct = int((predicted.eq(target) & non_pad).sum())
+    assert 0 < expected_correct < int(non_pad.sum())
+    assert expected_correct != int((aux.argmax(-1).eq(target) & non_pad).sum())
+    criterion_ = MultiDecoderLabelSmoothedCrossEntropyCriterion(Task(dictionary), False, EPSILON,
+                                                               report_accuracy=True)
+    loss, _, logs = criterion_(model, sample)
+    assert logs["n_correct"] == expected_correct and logs["total"] == int(non_pad.sum())
+    losses = [label_smoothed_ce(x, target, EPSILON, dictionary.pad())[0].sum() for x in (main, aux)]
+    close(loss.detach(), losses[0] + losses[1])  # the whole target
+
+
+def test_a_model_without_auxiliary_decoders_gets_fairseqs_loss():
+    """A model whose output has no auxiliary entries (fairseq's transformer): J = L_m, the
+    loss and logs of fairseq's label-smoothed cross-entropy, and joint_loss = loss."""
+    dictionary = toy_dictionary()
+    model = build_model("transformer", dictionary=dictionary).double().eval()
+    sample = toy_sample(dictionary)
+    loss, sample_size, logs = criterion(dictionary, 1.0)(model, sample)
+    fairseqs = LabelSmoothedCrossEntropyCriterion(Task(dictionary), False, EPSILON)(model, sample)
+    torch.testing.assert_close(loss, fairseqs[0])
+    assert sample_size == fairseqs[1]
+    assert set(logs) == set(fairseqs[2]) | {"joint_loss"}
+    for key, value in fairseqs[2].items():
+        assert logs[key] == value, key
+    torch.testing.assert_close(logs["joint_loss"], fairseqs[0].detach())
+
+
+# --- logged metrics (fairseq.logging.metrics) ----------------------------------------------
+
+def reduced(*calls):
+    """The smoothed values after ``reduce_metrics`` of each list of logging outputs, in one
+    aggregation (as fairseq logs several intervals of an epoch)."""
+    with metrics.aggregate(new_root=True) as aggregation:
+        for logging_outputs in calls:
+            MultiDecoderLabelSmoothedCrossEntropyCriterion.reduce_metrics(logging_outputs)
+        return aggregation.get_smoothed_values()
+
+
+def f64(value):
+    return torch.tensor(value, dtype=torch.float64)
+
+
+# Two batches' logging outputs with --sentence-avg (sample size = sentences != tokens), and
+# auxiliary decoders on encoder layers 1 and 3.
+BATCHES = [
+    {"loss": f64(10.0), "nll_loss": f64(8.0), "ntokens": 7, "nsentences": 2, "sample_size": 2,
+     "aux1_loss": f64(12.0), "aux1_nll_loss": f64(9.0), "aux3_loss": f64(11.0), "aux3_nll_loss": f64(8.5),
+     "joint_loss": f64(33.0)},
+    {"loss": f64(6.0), "nll_loss": f64(5.0), "ntokens": 5, "nsentences": 3, "sample_size": 3,
+     "aux1_loss": f64(7.0), "aux1_nll_loss": f64(6.0), "aux3_loss": f64(6.5), "aux3_nll_loss": f64(5.5),
+     "joint_loss": f64(19.5)},
+]
+
+
+def expected_metrics(batches):
+    """Base-2 losses: each loss summed over the batches over the summed sample size, each
+    nll over the summed number of target tokens (fairseq's convention)."""
+    sample_size = sum(b["sample_size"] for b in batches)
+    ntokens = sum(b["ntokens"] for b in batches)
+    total = {key: sum(float(b.get(key, 0)) for b in batches)
+             for key in ("loss", "joint_loss", "aux1_loss", "aux3_loss", "aux1_nll_loss", "aux3_nll_loss")}
+    return {
+        "loss": total["loss"] / sample_size / math.log(2),
+        "joint_loss": total["joint_loss"] / sample_size / math.log(2),
+        "aux1_loss": total["aux1_loss"] / sample_size / math.log(2),
+        "aux3_loss": total["aux3_loss"] / sample_size / math.log(2),
+        "aux1_nll_loss": total["aux1_nll_loss"] / ntokens / math.log(2),
+        "aux3_nll_loss": total["aux3_nll_loss"] / ntokens / math.log(2),
+    }
+
+
+def assert_logged(values, expected):
+    for key, value in expected.items():
+        assert round(value, 3) != round(value, 4), key  # the rounding to 3 digits is visible
+        assert values[key] == pytest.approx(round(value, 3), abs=1e-9), key
+
+
+def test_logged_joint_and_auxiliary_losses_are_base_2_per_sample_and_per_token():
+    """joint_loss and aux<l>_loss: summed over batches / sample size / ln 2; aux<l>_nll_loss:
+    / target tokens / ln 2; rounded to 3 digits like fairseq's loss."""
+    values = reduced(BATCHES)
+    assert_logged(values, expected_metrics(BATCHES))
+    assert not any(re.fullmatch(r"aux(2|\d\d+).*", key) for key in values)
+
+
+def test_two_logging_intervals_average_weighted_by_their_denominators():
+    """Reducing the batches one at a time in one aggregation gives what reducing them
+    together gives: each value is weighted by its sample size (nll: its tokens)."""
+    values = reduced(BATCHES[:1], BATCHES[1:])
+    assert_logged(values, expected_metrics(BATCHES))
+
+
+def test_entries_missing_from_a_logging_output_count_as_zero():
+    """As in fairseq's own reduce_metrics: an empty logging output changes nothing."""
+    values = reduced(BATCHES + [{}])
+    assert_logged(values, expected_metrics(BATCHES))
+
+
+def test_nothing_but_fairseqs_metrics_for_a_zero_sample_size():
+    empty = [{"loss": f64(0.0), "nll_loss": f64(0.0), "ntokens": 0, "nsentences": 0, "sample_size": 0,
+              "aux1_loss": f64(0.0), "aux1_nll_loss": f64(0.0), "joint_loss": f64(0.0)}]
+    values = reduced(empty)
+    assert "loss" in values and not any(key.startswith(("aux", "joint")) for key in values)
 
 
 @pytest.mark.parametrize("fusion", [[], ["--aux-fusion"]], ids=["MS-12", "MS-12+AIF"])

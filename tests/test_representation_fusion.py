@@ -1,6 +1,9 @@
 """Multi-layer Representation Fusion, MLRF (Wang et al. 2018)."""
+import argparse
 import dataclasses
+import itertools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -24,7 +27,9 @@ from fairseq_helpers import (
 )
 from fixtures.tiny_fairseq import build_task_and_model, save_checkpoint, write_data_bin
 from mlmha_fairseq.cli import mlrf_hop_weights
+from mlmha_fairseq.models.representation_fusion import MLRF, _needs
 from mlmha_fairseq.modules.representation_fusion import (
+    AverageFusion,
     FusionOptions,
     LayerAttention,
     build_fusion,
@@ -92,6 +97,35 @@ def test_sa_computes_equations_4_to_7():
     hidden = F.relu(sa.ffn.fc1(torch.cat(hops, dim=-1)))
     expected = F.layer_norm(sa.ffn.fc2(hidden), (D,), sa.layer_norm.weight, sa.layer_norm.bias)
     torch.testing.assert_close(sa(states, embedding), expected)
+
+
+def test_avg_module_applies_the_layer_norm_by_default():
+    """AVG is ``LN((1/K) sum_l z_j^l)`` (Wang et al. 2018, §3.2, with the LayerNorm after the
+    fusion layer) unless the LayerNorm is turned off explicitly."""
+    states = stacked_states()
+    default = AverageFusion(D)
+    assert isinstance(default.layer_norm, torch.nn.LayerNorm)
+    torch.testing.assert_close(default(states), F.layer_norm(states.mean(0), (D,)))
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_independent_w1_is_initialised_like_a_linear_layer(attention_bias):
+    """[paper] §4.2, PyTorch's default init: every layer's W1 (and bias) is
+    ``U(-1/sqrt(C), 1/sqrt(C))``, C the fan-in, the same as the shared ``nn.Linear(C, d_a)``."""
+    torch.manual_seed(0)
+    options = FusionOptions(hops=HOPS, attention_dim=D_A, ffn_dim=D_F, independent_w1=True,
+                            attention_bias=attention_bias)
+    attention = LayerAttention(4, D, options)
+    bound = 1 / math.sqrt(D)
+    parameters = [attention.w1] + ([attention.w1_bias] if attention_bias else [])
+    assert (attention.w1_bias is not None) == attention_bias
+    for parameter, size in zip(parameters, (4 * D * D_A, 4 * D_A)):
+        assert parameter.numel() == size
+        values = parameter.detach()
+        assert values.abs().max() <= bound
+        # both signs, spread over the range (768 and 48 draws of U(-b, b))
+        assert values.min() < -bound / 2 and values.max() > bound / 2
+        assert values.unique().numel() == size
 
 
 def test_independent_w1_has_one_matrix_per_layer():
@@ -382,6 +416,42 @@ def test_unknown_fusion_function_is_refused_by_the_command_line(data_bin, tmp_pa
                                               "--mlrf-decoder-fusion", "max"), check=False)
     assert result.returncode == 2
     assert "argument --mlrf-decoder-fusion: invalid choice: 'max'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "functions, text",
+    [(("sa",), "SA fusion (--mlrf-encoder-fusion sa or --mlrf-decoder-fusion sa)"),
+     (("fnn", "sa"), "FNN/SA fusion (--mlrf-encoder-fusion fnn|sa or --mlrf-decoder-fusion fnn|sa)"),
+     (("avg", "fnn", "sa"),
+      "AVG/FNN/SA fusion (--mlrf-encoder-fusion avg|fnn|sa or --mlrf-decoder-fusion avg|fnn|sa)")],
+    ids=["SA", "FNN or SA", "any"],
+)
+def test_option_switches_name_their_functions_and_are_on_when_either_side_uses_one(functions, text):
+    """The switch an MLRF option needs (e.g. --mlrf-hops: SA on the encoder or the decoder):
+    its text for the set-while-off message, and its test of ``args``."""
+    switch = _needs(*functions)
+    assert switch.text == text
+    for encoder, decoder in itertools.product(("none", "avg", "fnn", "sa"), repeat=2):
+        args = argparse.Namespace(mlrf_encoder_fusion=encoder, mlrf_decoder_fusion=decoder)
+        assert switch.is_on(args) is (encoder in functions or decoder in functions)
+    # args without the MLRF options (or with None) are off
+    assert switch.is_on(argparse.Namespace()) is False
+    assert switch.is_on(argparse.Namespace(mlrf_encoder_fusion=None, mlrf_decoder_fusion="sa")) is True
+
+
+def test_each_option_needs_the_functions_that_read_it():
+    """The SA-only options need SA, those of the FNN (also inside SA) FNN or SA, the AVG
+    LayerNorm AVG; MLRF itself is on with any function."""
+    needs = {option.flag: option.needs.text for option in MLRF.options if option.needs is not None}
+    sa, fnn_or_sa, avg = (_needs(*f).text for f in (("sa",), ("fnn", "sa"), ("avg",)))
+    assert needs == {
+        "--mlrf-hops": sa, "--mlrf-attention-dim": sa, "--mlrf-indep-w1": sa,
+        "--mlrf-attention-activation": sa, "--mlrf-attention-bias": sa,
+        "--mlrf-ffn-dim": fnn_or_sa, "--mlrf-no-layer-embedding": fnn_or_sa,
+        "--mlrf-ffn-activation": fnn_or_sa, "--mlrf-fusion-dropout": fnn_or_sa,
+        "--mlrf-no-avg-layernorm": avg,
+    }
+    assert MLRF.switch.text == _needs("avg", "fnn", "sa").text
 
 
 # ----------------------------------------------------------------------------- command line
