@@ -1,4 +1,5 @@
 """The Dual Contextual module in the slot Transformer (issue 9, thesis ch. 5)."""
+import argparse
 import json
 import math
 import subprocess
@@ -18,6 +19,7 @@ from fairseq_helpers import (
 )
 from mlmha_fairseq.evaluation.attention_statistics import encoder_attention_statistics
 from mlmha_fairseq.evaluation.fi_diversity import fi_diversity, js_divergence, reduce_heads
+from mlmha_fairseq.models.dual_contextual import DUAL_CONTEXTUAL_MODULE
 from mlmha_fairseq.models.layer_selection import parse_layers
 from mlmha_fairseq.modules.dual_contextual import DualContextual, LocalContextualUnit
 
@@ -180,6 +182,21 @@ def test_layer_ranges(value, expected):
 def test_bad_configurations_are_refused_with_a_clear_message(options, message):
     with pytest.raises(ValueError, match=message):
         build_model("slot_transformer", *options)
+
+
+@pytest.mark.parametrize(
+    "args, on",
+    [({}, False),
+     ({"dc_encoder_layers": "all"}, True),  # a preset's args, without the decoder's option
+     ({"dc_decoder_layers": " 1-2 "}, True),
+     ({"dc_encoder_layers": None, "dc_decoder_layers": " NONE "}, False),
+     ({"dc_encoder_layers": "none", "dc_decoder_layers": "2"}, True)],
+    ids=["no options", "encoder only", "decoder only", "none", "decoder on"],
+)
+def test_module_is_on_when_either_layer_option_names_layers(args, on):
+    """The switch of the set-while-off check (--dc-kernel-size needs it): a missing or None
+    layer option reads as none, in any case and spacing."""
+    assert DUAL_CONTEXTUAL_MODULE.switch.is_on(argparse.Namespace(**args)) is on
 
 
 @pytest.mark.parametrize(

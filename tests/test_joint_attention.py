@@ -1,6 +1,7 @@
 """MLMHA and layer aggregation inside the slot Transformer (Ampomah et al. 2020; thesis ch. 3)."""
 import pytest
 import torch
+from fairseq.modules import MultiheadAttention
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_helpers import (
@@ -14,6 +15,7 @@ from fairseq_helpers import (
     toy_dictionary,
     train_args,
 )
+from mlmha_fairseq.models.joint_attention import TransparentCrossAttention
 
 VARIANTS = ("M-00", "M-01", "M-10", "M-11")
 AGGREGATIONS = ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")
@@ -115,6 +117,29 @@ def test_collected_keys_and_values_are_projected_once_per_sentence():
         for step in range(prev.size(1)):
             model.decoder(prev[:, : step + 1], encoder_out=encoder_out, incremental_state=state)
     assert len(calls) == DECODER_LAYERS
+
+
+def test_transparent_cross_attention_is_fairseqs_over_its_layers_mixture():
+    """Transparent Attention (Bapna et al. 2018): decoder layer j runs fairseq's cross-attention
+    over its own mixture z_j of the M given; a drop-in for fairseq's MultiheadAttention, it
+    takes the arguments after ``value`` by position as well as by name."""
+    torch.manual_seed(0)
+    layer_idx, heads, src_len, tgt_len, bsz = 1, 4, 5, 3, 2
+    attention = TransparentCrossAttention(layer_idx, D, heads, kdim=D, vdim=D,
+                                          encoder_decoder_attention=True).eval()
+    reference = MultiheadAttention(D, heads, kdim=D, vdim=D, encoder_decoder_attention=True).eval()
+    reference.load_state_dict(attention.state_dict())
+    mixtures = torch.randn(DECODER_LAYERS, src_len, bsz, D)  # M x Ts x B x C
+    query = torch.randn(tgt_len, bsz, D)
+    mask = torch.tensor([[False] * src_len, [False] * 3 + [True] * 2])  # row 1: 2 pads
+    chosen = mixtures[layer_idx]
+    expected, expected_weights = reference(query, chosen, chosen, key_padding_mask=mask, static_kv=True)
+    assert expected_weights[1, :, 3:].eq(0).all()
+    by_name = attention(query, mixtures, mixtures, key_padding_mask=mask, static_kv=True)
+    by_position = attention(query, mixtures, mixtures, mask, None, True, True)
+    for out, weights in (by_name, by_position):
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(weights, expected_weights)
 
 
 @pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])

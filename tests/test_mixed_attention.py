@@ -79,15 +79,110 @@ def test_masks_are_built_once_per_length_for_all_layers():
 
 
 @pytest.mark.parametrize("left_pad", [True, False], ids=["left-pad", "right-pad"])
-@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "explicit"])
+@pytest.mark.parametrize("need_weights", [False, True, None], ids=["sdpa", "explicit", "default"])
 def test_all_global_heads_equal_fairseq_self_attention(left_pad, need_weights):
+    """Same outputs and weights as fairseq's attention; like it, weights by default (None: not
+    given) and none when ``need_weights=False``."""
     reference, module = attention_pair("GGGG")
     x, pad = padded_input(left_pad)
-    expected, expected_weights = reference(x, x, x, key_padding_mask=pad, need_weights=need_weights)
-    got, got_weights = module(x, x, x, key_padding_mask=pad, need_weights=need_weights)
+    asked = {} if need_weights is None else {"need_weights": need_weights}
+    expected, expected_weights = reference(x, x, x, key_padding_mask=pad, **asked)
+    got, got_weights = module(x, x, x, key_padding_mask=pad, **asked)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
-    if need_weights:
+    assert (got_weights is None) == (need_weights is False) == (expected_weights is None)
+    if expected_weights is not None:
         torch.testing.assert_close(got_weights, expected_weights, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_dropout_in_training_only():
+    """fairseq's rule for attention-weight dropout, on both paths: active in training (or with
+    fairseq's ``--retain-dropout``, ``apply_during_inference``), never in eval mode, where the
+    output is fairseq's."""
+    torch.manual_seed(0)
+    reference = MultiheadAttention(D, HEADS, self_attention=True, dropout=0.5)
+    module = MixedMultiheadAttention(D, HEADS, "GGGG", 1, dropout=0.5)
+    module.load_state_dict(reference.state_dict(), strict=True)
+    x, pad = padded_input(left_pad=True)
+    reference.eval(), module.eval()
+    with torch.no_grad():
+        deterministic = reference(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+        for need_weights in (False, True):
+            got = module(x, x, x, key_padding_mask=pad, need_weights=need_weights)[0]
+            torch.testing.assert_close(got, deterministic, atol=1e-6, rtol=1e-5)
+            module.train()
+            assert not torch.allclose(module(x, x, x, key_padding_mask=pad, need_weights=need_weights)[0],
+                                      deterministic), f"training, need_weights={need_weights}"
+            module.eval()
+            module.dropout_module.apply_during_inference = True
+            assert not torch.allclose(module(x, x, x, key_padding_mask=pad, need_weights=need_weights)[0],
+                                      deterministic), f"retained dropout, need_weights={need_weights}"
+            module.dropout_module.apply_during_inference = False
+
+
+def test_fairseq_constructor_arguments_reach_the_projections():
+    """``MixedMultiheadAttention`` takes fairseq's constructor arguments: ``bias=False`` leaves
+    the four d x d projections only, and ``dropout`` is the attention-weight dropout."""
+    module = MixedMultiheadAttention(D, HEADS, "GLFB", 1, bias=False, dropout=0.2)
+    assert num_params(module) == 4 * D * D
+    assert module.dropout_module.p == 0.2
+
+
+def test_every_tensor_follows_the_device_of_the_input():
+    """The structural masks, the padding and the diagonal of fully masked rows are made on the
+    query's device (checked on PyTorch's meta device, which refuses to mix with CPU tensors, so
+    no GPU is needed)."""
+    with torch.device("meta"):
+        module = MixedMultiheadAttention(D, HEADS, "GLFB", 1).eval()
+    x = torch.empty(7, 3, D, device="meta")
+    pad = torch.zeros(3, 7, dtype=torch.bool, device="meta")
+    head_masks.cache_clear()
+    for need_weights in (False, True):
+        for mask in (None, pad):
+            out, weights = module(x, x, x, key_padding_mask=mask, need_weights=need_weights)
+            assert out.is_meta and out.shape == x.shape
+            assert weights is None or weights.is_meta
+
+
+def test_local_window_zero_attends_to_itself_only():
+    """Eq. 9 with w = 0: each query's one allowed key is itself, so the softmax is 1 and a local
+    head's context is the value of its own position: ``MA = (x W^V + b^V) W^O + b^O``.
+    Accepted as an option and by the module."""
+    model = build_model("slot_transformer", *mixed("L", "L", window=0))
+    attention = model.encoder.layers[0].self_attn.eval()
+    assert attention.window == 0
+    x, pad = padded_input(left_pad=True)
+    v, out = attention.v_proj, attention.out_proj
+    expected = (x @ v.weight.T + v.bias) @ out.weight.T + out.bias
+    with torch.no_grad():
+        for need_weights in (False, True):
+            got = attention(x, x, x, key_padding_mask=pad, need_weights=need_weights)[0]
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(head_types="GLF", window=1), r"3 head types \('G', 'L', 'F'\) for 4 heads"),
+    (dict(head_types="GLFX", window=1), r"unknown head type\(s\) \['X'\]"),
+    (dict(head_types="GLFB", window=-1), "local window -1"),
+])
+def test_module_refuses_bad_heads_and_windows(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        MixedMultiheadAttention(D, HEADS, **arguments)
+
+
+@pytest.mark.parametrize("unsupported", [
+    dict(incremental_state={}), dict(static_kv=True), dict(before_softmax=True),
+    dict(attn_mask=torch.zeros(7, 7)),
+], ids=["incremental_state", "static_kv", "before_softmax", "attn_mask"])
+def test_decoder_only_arguments_are_refused_each_alone(unsupported):
+    """An encoder self-attention: each of fairseq's decoder-side arguments is refused by itself."""
+    _, module = attention_pair("GLFB")
+    x, _ = padded_input(left_pad=True)
+    with pytest.raises(ValueError, match="is an encoder self-attention"):
+        module(x, x, x, **unsupported)
+
+
+def test_printed_module_names_its_heads_and_window():
+    assert "head_types=G,L,F,B, window=2" in repr(MixedMultiheadAttention(D, HEADS, "GLFB", 2))
 
 
 @NORMS
@@ -269,13 +364,13 @@ def test_mma_layers_keep_fairseq_attention_elsewhere():
 @pytest.mark.parametrize(
     "options, message",
     [
-        (mixed("G", "X"), r"unknown head type\(s\) \['X'\]"),
+        (mixed("G", "X"), r"--mma-heads 'G,X': unknown head type\(s\) \['X'\]"),
         (mixed("G", "L", "F"), "lists 3 head type"),
         (mixed("G", "L", window=-1), "--mma-local-window -1"),
-        (mixed("G", "L") + ["--mma-layers", "0"], "not a range of encoder layers within 1..3"),
+        (mixed("G", "L") + ["--mma-layers", "0"], "--mma-layers '0': 0 is not a range of encoder layers within 1..3"),
         (mixed("G", "L") + ["--mma-layers", "2-4"], "not a range of encoder layers within 1..3"),
         (mixed("G", "L") + ["--mma-layers", "3-1"], "not a range of encoder layers"),
-        (mixed("G", "L") + ["--mma-layers", "first"], "expected none, all, or 1-based layers"),
+        (mixed("G", "L") + ["--mma-layers", "first"], "--mma-layers 'first': expected none, all, or 1-based layers"),
     ],
 )
 def test_bad_configurations_are_refused_with_a_clear_message(options, message):

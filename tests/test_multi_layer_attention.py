@@ -186,13 +186,15 @@ def test_fully_padded_row_gives_no_nan(variant):
     query, taps, mask = make_inputs()
     mask[0] = True
     query.requires_grad_(True)
-    for kwargs in ({}, {"need_weights": True}):
+    for kwargs in ({}, {"need_weights": True}):  # the fused path, then explicit weights
         out, weights = run(module, query, taps, mask, **kwargs)
         out.sum().backward()
         assert torch.isfinite(out).all() and torch.isfinite(query.grad).all()
+        # Its context is zero in both paths: only the output bias remains.
+        torch.testing.assert_close(out[:, 0], module.out_proj.bias.expand(TGT_LEN, DIM))
+        # The other rows keep the attention over their keys (not zeroed).
+        assert not torch.allclose(out[:, 1:], module.out_proj.bias.expand(TGT_LEN, BSZ - 1, DIM))
     assert torch.all(weights[0] == 0)
-    # Its context is zero: only the output bias remains.
-    torch.testing.assert_close(out[:, 0], module.out_proj.bias.expand(TGT_LEN, DIM))
 
 
 def test_fully_padded_row_attends_somewhere_before_zeroing():

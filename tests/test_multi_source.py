@@ -27,8 +27,8 @@ from fairseq_helpers import (
 )
 from mlmha_fairseq.cli import multi_source_attention
 from mlmha_fairseq.data.multi_source_dataset import DataError, derangement
-from mlmha_fairseq.models.multi_source import combination_modules
-from mlmha_fairseq.modules.input_combination import STRATEGIES, build_input_combination
+from mlmha_fairseq.models.multi_source import ImageFeatureEncoder, combination_modules
+from mlmha_fairseq.modules.input_combination import COMBINATIONS, STRATEGIES, build_input_combination
 from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
 
 D, DECODER_LAYERS, CHANNELS, POSITIONS = 16, 2, 6, 3
@@ -67,9 +67,9 @@ def multi_source_batch(dictionary, kinds, batch_size=4, seed=0):
     return inputs, lengths, prev
 
 
-def forward(model, inputs, lengths, prev, primary=0):
+def forward(model, inputs, lengths, prev, primary=0, **kwargs):
     return model(inputs[primary], lengths[primary], prev, multi_source_inputs=inputs,
-                 multi_source_lengths=lengths)
+                 multi_source_lengths=lengths, **kwargs)
 
 
 def reordered(tensors, order):
@@ -98,17 +98,27 @@ def renamed_state(reference, num_encoders=1, num_attentions=1):
 @pytest.mark.parametrize("strategy", ["serial", "parallel", "flat"])
 @NORMS
 def test_one_source_equals_fairseq_transformer_with_its_weights(strategy, norm):
+    """Libovický et al. 2018, §3: with n = 1 serial, parallel and flat are the standard decoder;
+    the model's forward also takes fairseq's ``features_only``, ``alignment_layer`` and
+    ``alignment_heads`` as fairseq's transformer does."""
     dictionary = toy_dictionary()
     reference = build_model("transformer", *norm, dictionary=dictionary).eval()
     model, _ = build_multi_source(["src"], "--combination-strategy", strategy, *norm, dictionary=dictionary)
     model.load_state_dict(renamed_state(reference), strict=True)
     model.eval()
     src, lengths, prev = random_batch(dictionary)
+    options_ = dict(features_only=True, alignment_layer=0, alignment_heads=1)
     with torch.no_grad():
         expected, expected_extra = reference(src, lengths, prev)
         got, got_extra = forward(model, [src], [lengths], prev)
+        expected_features, expected_features_extra = reference(src, lengths, prev, **options_)
+        got_features, got_features_extra = forward(model, [src], [lengths], prev, **options_)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_extra["attn"][0], expected_extra["attn"][0], atol=1e-5, rtol=1e-5)
+    assert got_features.shape == (*prev.shape, D)
+    torch.testing.assert_close(got_features, expected_features, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_features_extra["attn"][0], expected_features_extra["attn"][0],
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_hierarchical_second_level_is_certain_with_one_source():
@@ -128,10 +138,10 @@ def test_hierarchical_second_level_is_certain_with_one_source():
 
 # --- the sublayer equations of Libovický et al. 2018 (Eqs. 3-8), written out -----------------------------------
 
-def spec_equation(module, x, memories, masks):
+def spec_equation(module, x, memories, masks, pre):
     """u of Libovický et al. 2018, §3, for ``module``'s strategy, computed from its own submodules, with the
-    hierarchical second level position by position."""
-    pre = module.normalize_before
+    hierarchical second level position by position; ``pre``: pre-norm (the reference implementation)
+    or post-norm, as the test asked for (not read from the module)."""
     norm = lambda y, k=0: module.layer_norms[k](y)  # noqa: E731
 
     def attend(attention, query, memory, mask=None):
@@ -158,23 +168,146 @@ def spec_equation(module, x, memories, masks):
     return u if pre else norm(u)
 
 
+M = 12  # width of the encoder outputs (memory_dim), unlike the decoder's D
+
+
+def sublayer_inputs(seed=0):
+    """x (T x B x D), three memories (S_k x B x M, S_k = 4, 6, 3) and their B x S_k masks, one
+    sentence of source 2 left-padded; T, B, S_k, D and M all differ, so that a mixed-up size shows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 2, D, generator=gen)
+    memories = [torch.randn(length, 2, M, generator=gen) for length in (4, 6, 3)]
+    masks = [torch.zeros(2, m.size(0), dtype=torch.bool) for m in memories]
+    masks[1][0, :2] = True
+    return x, memories, masks
+
+
+def combination(strategy, pre_norm, dropout=0.0, **kwargs):
+    """A three-source sublayer over memories of width M, in eval mode, LayerNorms made distinct
+    (so that swapping them shows)."""
+    torch.manual_seed(0)
+    module = build_input_combination(strategy, D, 2, 3, M, dropout=dropout, attention_dropout=0.0,
+                                     normalize_before=pre_norm,
+                                     hier_heads=4 if strategy == "hierarchical" else None, **kwargs)
+    with torch.no_grad():
+        for layer_norm in module.layer_norms:
+            layer_norm.weight.uniform_(0.5, 1.5), layer_norm.bias.uniform_(-0.5, 0.5)
+    return module.eval()
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
 def test_sublayer_equals_the_equations_of_the_paper(strategy, pre_norm):
-    torch.manual_seed(0)
-    module = build_input_combination(strategy, D, 2, 3, D, dropout=0.1, attention_dropout=0.0,
-                                     normalize_before=pre_norm, hier_heads=4 if strategy == "hierarchical" else None)
-    module.eval()
-    with torch.no_grad():
-        for layer_norm in module.layer_norms:  # distinct LayerNorms, so that swapping them shows
-            layer_norm.weight.uniform_(0.5, 1.5), layer_norm.bias.uniform_(-0.5, 0.5)
-    x = torch.randn(5, 2, D)
-    memories = [torch.randn(length, 2, D) for length in (4, 6, 3)]
-    masks = [torch.zeros(2, m.size(0), dtype=torch.bool) for m in memories]
-    masks[1][0, :2] = True  # a left-padded sentence
+    module = combination(strategy, pre_norm, dropout=0.1)
+    x, memories, masks = sublayer_inputs()
     with torch.no_grad():
         got, _ = module(x, memories, masks)
-        torch.testing.assert_close(got, spec_equation(module, x, memories, masks), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, spec_equation(module, x, memories, masks, pre_norm), atol=1e-5, rtol=1e-5)
+
+
+def head_weights(attention, query, memory, mask):
+    """Libovický et al. 2018, Eqs. 1 and 3, the weights only: per head i,
+    softmax(Q W_i^Q (K W_i^K)^T / sqrt(d_h)) written out from the attention's projection
+    weights (fairseq's biases included), pads at -inf: H x B x T x S."""
+    heads, head_dim = attention.num_heads, attention.head_dim
+    (tgt_len, bsz, _), src_len = query.shape, memory.size(0)
+    q = (query @ attention.q_proj.weight.T + attention.q_proj.bias).view(tgt_len, bsz, heads, head_dim)
+    k = (memory @ attention.k_proj.weight.T + attention.k_proj.bias).view(src_len, bsz, heads, head_dim)
+    energies = torch.einsum("tbhd,sbhd->hbts", q, k) / head_dim ** 0.5
+    return energies.masked_fill(mask[None, :, None, :], float("-inf")).softmax(-1)
+
+
+def source_head_weights(module, x, memories, masks, pre):
+    """Per source k, the H x B x T x S_k weights of the sublayer over source k: queries
+    LN_k(h_{k-1}) (serial; h_0 = x) or LN(x) (the others), without LN in post-norm; flat's one
+    joint distribution over the concatenation (Eq. 6), split by source."""
+    if module.strategy == "flat":
+        query = module.layer_norms[0](x) if pre else x
+        joint = head_weights(module.attentions[0], query, torch.cat(memories), torch.cat(masks, dim=1))
+        return list(joint.split([memory.size(0) for memory in memories], dim=-1))
+    weights = []
+    for k, (memory, mask) in enumerate(zip(memories, masks)):
+        if module.strategy == "serial":
+            h = spec_equation(module, x, memories[:k], masks[:k], pre)  # h_{k-1}: the first k-1 sublayers
+            query = module.layer_norms[k](h) if pre else h
+        else:
+            query = module.layer_norms[0](x) if pre else x
+        weights.append(head_weights(module.attentions[k], query, memory, mask))
+    return weights
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_weights_over_the_primary_source_are_returned_when_asked(strategy):
+    """fairseq's convention for the alignment output: no weights unless asked; with
+    ``need_weights`` the weights over the primary source (here the second) averaged over heads
+    (B x T x S), with ``need_head_weights`` per head (H x B x T x S); flat's are its slice of the
+    joint distribution."""
+    module = combination(strategy, pre_norm=True, primary_index=1)
+    x, memories, masks = sublayer_inputs()
+    with torch.no_grad():
+        expected = source_head_weights(module, x, memories, masks, pre=True)[1]
+        unasked = module(x, memories, masks)[1]
+        averaged = module(x, memories, masks, need_weights=True)[1]
+        per_head = module(x, memories, masks, need_head_weights=True)[1]
+    assert unasked is None
+    assert averaged.shape == (2, 5, 6) and per_head.shape == (2, 2, 5, 6)
+    torch.testing.assert_close(averaged, expected.mean(0), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(per_head, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_first_source_is_primary_by_default(strategy):
+    torch.manual_seed(0)
+    module = COMBINATIONS[strategy](D, 2, 3, M, 0.0, 0.0, False).eval()
+    x, memories, masks = sublayer_inputs()
+    with torch.no_grad():
+        got = module(x, memories, masks, need_weights=True)[1]
+        expected = source_head_weights(module, x, memories, masks, pre=False)[0].mean(0)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_recorded_weights_are_every_sources_head_average(strategy):
+    """For the attention dumps (Libovický et al. 2018, Appendix A): with ``record_weights`` every
+    call stores, whatever the caller asked, the weights over each source averaged over heads
+    (B x T x S_k)."""
+    module = combination(strategy, pre_norm=False)
+    module.record_weights = True
+    x, memories, masks = sublayer_inputs()
+    with torch.no_grad():
+        expected = [w.mean(0) for w in source_head_weights(module, x, memories, masks, pre=False)]
+        for asked in ({}, {"need_weights": True}, {"need_head_weights": True}):
+            module.recorded = {}
+            module(x, memories, masks, **asked)
+            recorded = module.recorded["sources"]
+            assert len(recorded) == 3, asked
+            for got, want in zip(recorded, expected):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=str(asked))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_source_without_padding_mask_is_attended_in_full(strategy):
+    """A source given no mask (None: no padding) is attended as with an all-False mask;
+    flat fills in such a mask for its concatenation (Eqs. 5-6)."""
+    module = combination(strategy, pre_norm=False)
+    x, memories, masks = sublayer_inputs()
+    unmasked = [None, masks[1], None]
+    full = [torch.zeros_like(masks[0]), masks[1], torch.zeros_like(masks[2])]
+    with torch.no_grad():
+        got, weights = module(x, memories, unmasked, need_weights=True)
+        torch.testing.assert_close(got, spec_equation(module, x, memories, full, False), atol=1e-5, rtol=1e-5)
+        expected = source_head_weights(module, x, memories, full, pre=False)[0].mean(0)
+    torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_hierarchical_second_level_drops_weights_at_the_general_rate():
+    """Libovický et al. 2018's reference implementation: the per-source attentions drop attention
+    weights at --attention-dropout, the second level at the general dropout rate."""
+    module = build_input_combination("hierarchical", D, 2, 3, M, dropout=0.3, attention_dropout=0.1,
+                                     normalize_before=True)
+    assert module.hier_attention.dropout_module.p == 0.3
+    assert [attention.dropout_module.p for attention in module.attentions] == [0.1] * 3
+    assert module.hier_attention.num_heads == 2  # hier_heads not given: --decoder-attention-heads
 
 
 # --- incremental decoding, causality, reordering ------------------------------------
@@ -210,6 +343,69 @@ def test_incremental_decoding_matches_full_forward_with_beam_reordering(strategy
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_source_is_projected_once_per_sentence_and_cached(strategy):
+    """Incremental decoding: after the first step each per-source attention (flat: its one
+    attention over the concatenation) holds the keys and values of its own source in the
+    incremental state (B x H x S x d_h, projected as ``memory W^K + b``), and later steps reuse
+    them instead of projecting the source again."""
+    model, task = build_multi_source(["a", "b", "c"], "--combination-strategy", strategy)
+    model.eval()
+    inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
+    attentions = [a for module in combination_modules(model) for a in module.attentions]
+    calls = []
+    for attention in attentions:
+        attention.k_proj.register_forward_hook(lambda *_, a=attention: calls.append(a))
+    with torch.no_grad():
+        encoder_out = model.encoder(inputs[0], lengths[0], multi_source_inputs=inputs,
+                                    multi_source_lengths=lengths)
+        memories = encoder_out["multi_source_memories"]
+        if strategy == "flat":
+            memories = [torch.cat(memories)]
+        state = {}
+        model.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state=state)
+        for module in combination_modules(model):
+            assert len(module.attentions) == len(memories)
+            for attention, memory in zip(module.attentions, memories):
+                cached = attention._get_input_buffer(state)
+                shape = (memory.size(0), memory.size(1), attention.num_heads, attention.head_dim)
+                for name, proj in (("prev_key", attention.k_proj), ("prev_value", attention.v_proj)):
+                    expected = (memory @ proj.weight.T + proj.bias).view(shape).permute(1, 2, 0, 3)
+                    torch.testing.assert_close(cached[name], expected, atol=1e-6, rtol=1e-5)
+        for step in (2, 3):
+            model.decoder(prev[:, :step], encoder_out=encoder_out, incremental_state=state)
+    assert len(calls) == len(attentions) and set(map(id, calls)) == set(map(id, attentions))
+
+
+def test_layer_returns_cross_attention_weights_when_fairseqs_layer_does():
+    """One source, fairseq's weights: the multi-source decoder layer returns the weights when
+    the caller asks (``need_attn``) and, in eval mode, whenever its ``need_attn`` flag is on
+    (fairseq's rule; ``make_generation_fast_`` turns the flag off), as fairseq's layer does."""
+    dictionary = toy_dictionary()
+    reference = build_model("transformer", "--dropout", "0", dictionary=dictionary)
+    model, _ = build_multi_source(["src"], "--dropout", "0", dictionary=dictionary)
+    model.load_state_dict(renamed_state(reference), strict=True)
+    layer, reference_layer = model.decoder.layers[0], reference.decoder.layers[0]
+    gen = torch.Generator().manual_seed(0)
+    x, memory = torch.randn(5, 2, D, generator=gen), torch.randn(4, 2, D, generator=gen)
+    mask = torch.tensor([[True, False, False, False], [False] * 4])
+    cases = 0
+    for training in (True, False):
+        for flag in (True, False):
+            for need_attn in (False, True):
+                layer.train(training), reference_layer.train(training)
+                layer.need_attn = reference_layer.need_attn = flag
+                with torch.no_grad():
+                    expected = reference_layer(x, memory, mask, need_attn=need_attn)[1]
+                    got = layer(x, [memory], [mask], need_attn=need_attn)[1]
+                case = f"training={training} flag={flag} need_attn={need_attn}"
+                assert (got is None) == (expected is None), case
+                if expected is not None:
+                    cases += 1
+                    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5, msg=case)
+    assert cases == 5  # asked (4 cases) or eval mode with the flag on
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_future_target_tokens_do_not_change_earlier_positions(strategy):
     model, task = build_multi_source(["a", "b", "c"], "--combination-strategy", strategy)
     model.eval()
@@ -239,6 +435,68 @@ def test_reordering_the_encoder_output_reorders_every_source():
         for got_tensor, expected_tensor in zip(got[key], expected[key]):
             torch.testing.assert_close(got_tensor, expected_tensor)
     assert len(got["multi_source_memories"]) == 3
+
+
+def encode(model, inputs, lengths, **kwargs):
+    return model.encoder(inputs[0], lengths[0], multi_source_inputs=inputs, **kwargs)
+
+
+def test_encoder_returns_the_primary_sources_hidden_states_only_when_asked():
+    """Like fairseq's encoder (whose generator calls it without ``return_all_hiddens``): no
+    ``encoder_states`` by default; when asked, those of the primary source's encoder."""
+    model, task = build_multi_source(["a", "b", "img"], "--primary-source", "b", image_sources=("img",))
+    model.eval()
+    inputs, lengths, _ = multi_source_batch(task.dictionary, task.source_kinds)
+    with torch.no_grad():
+        default = encode(model, inputs, lengths, multi_source_lengths=lengths)
+        asked = encode(model, inputs, lengths, multi_source_lengths=lengths, return_all_hiddens=True)
+        primary = model.encoder.encoders[1](inputs[1], src_lengths=lengths[1], return_all_hiddens=True)
+    assert default["encoder_states"] == []
+    assert len(asked["encoder_states"]) == len(primary["encoder_states"]) == 3 + 1  # embeddings, 3 layers
+    for got, expected in zip(asked["encoder_states"], primary["encoder_states"]):
+        assert got.shape == (5, 4, D)  # source b: 5 tokens
+        torch.testing.assert_close(got, expected)
+
+
+def test_encoder_needs_every_source_but_not_their_lengths():
+    """The padding masks come from the tokens (fairseq's encoder reads no lengths), so
+    ``multi_source_lengths`` may be left out; a missing or extra source is refused."""
+    model, task = build_multi_source(["a", "b", "img"], image_sources=("img",))
+    model.eval()
+    inputs, lengths, _ = multi_source_batch(task.dictionary, task.source_kinds)
+    with torch.no_grad():
+        with_lengths = encode(model, inputs, lengths, multi_source_lengths=lengths)
+        without = encode(model, inputs, lengths)
+    for key in ("multi_source_memories", "multi_source_padding_masks"):
+        assert len(without[key]) == 3
+        for got, expected in zip(without[key], with_lengths[key]):
+            torch.testing.assert_close(got, expected)
+    for wrong in (inputs[:2], inputs + inputs[:1], None):
+        with pytest.raises(ValueError, match=r"needs its 3 sources \(a,b,img\)"):
+            model.encoder(inputs[0], lengths[0], multi_source_inputs=wrong)
+
+
+def test_max_positions_are_the_text_encoders():
+    """Image features have no position limit; the text encoders' is --max-source-positions."""
+    model, _ = build_multi_source(["img", "a"], "--max-source-positions", "37", image_sources=("img",))
+    assert model.encoder.max_positions() == 37
+
+
+def test_image_encoder_projects_the_features_and_pads_no_position():
+    """Libovický et al. 2018, §4: ``Linear(C, d)`` over the features, ``B x P x C -> P x B x d``;
+    no position is padding: fairseq's boolean ``B x P`` mask, all False, made on the device
+    of the features (checked on PyTorch's meta device, which refuses to mix with CPU tensors)."""
+    torch.manual_seed(0)
+    encoder = ImageFeatureEncoder(CHANNELS, D)
+    features = torch.randn(4, POSITIONS, CHANNELS)
+    out = encoder(features)
+    expected = (features @ encoder.projection.weight.T + encoder.projection.bias).transpose(0, 1)
+    torch.testing.assert_close(out["encoder_out"][0], expected)
+    mask = out["encoder_padding_mask"][0]
+    assert mask.dtype == torch.bool and mask.shape == (4, POSITIONS) and not mask.any()
+    with torch.device("meta"):
+        on_meta = ImageFeatureEncoder(CHANNELS, D)
+    assert on_meta(torch.empty(4, POSITIONS, CHANNELS, device="meta"))["encoder_padding_mask"][0].is_meta
 
 
 # --- parameters and options ---------------------------------------------------------
@@ -301,8 +559,23 @@ def test_presets_have_the_paper_sizes_and_settings(arch):
     assert args.combination_strategy == "serial"
     assert args.encoder_normalize_before and args.decoder_normalize_before  # the reference implementation
     assert args.no_scale_embedding and args.share_all_embeddings  # Libovický et al. 2018, §4
+    # examples/multi_source/README.md, "Presets against the documents" (tests/test_presets.py
+    # checks the table; repeated here, in the selection of the mechanism tests)
+    assert (args.dropout, args.attention_dropout) == (0.1, 0.0)
     model, _ = build_multi_source(["a", "b"], "--arch", arch)  # tiny sizes, preset settings
     assert model.decoder.layers[0].normalize_before and model.decoder.embed_scale == 1.0
+
+
+@pytest.mark.parametrize("arch", PRESETS)
+def test_presets_keep_the_settings_already_given(arch):
+    """A preset fills in only what is missing: values from the command line (--dropout 0.3)
+    or from a checkpoint's stored arguments, to which fairseq applies the architecture again
+    when it loads the model, are kept."""
+    given = dict(encoder_normalize_before=False, decoder_normalize_before=False, no_scale_embedding=False,
+                 share_all_embeddings=False, dropout=0.3, attention_dropout=0.2)
+    args = argparse.Namespace(**given)
+    ARCH_CONFIG_REGISTRY[arch](args)
+    assert {name: getattr(args, name) for name in given} == given
 
 
 # --- adversarial evaluation ---------------------------------------------------------

@@ -12,7 +12,8 @@ from fairseq.models import ARCH_CONFIG_REGISTRY
 from fairseq_helpers import TINY_MODEL_ARGS, USER_DIR, build_model, toy_dictionary
 from mlmha_fairseq.cli.options import list_options, package_archs
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.models.options import MECHANISMS, check_options
+from mlmha_fairseq.models import options as mechanism_options
+from mlmha_fairseq.models.options import MECHANISMS, Mechanism, Switch, check_options
 from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
 
 # The model of each mechanism, and options that turn off what its default turns on.
@@ -56,6 +57,16 @@ CASES = [(mechanism, option) for mechanism in MECHANISMS.values() for option in 
 
 def test_every_mechanism_has_a_model_here():
     assert set(MECHANISMS) == set(MECHANISM_MODELS)
+
+
+def test_a_mechanism_is_registered_once_under_its_name(monkeypatch):
+    monkeypatch.setattr(mechanism_options, "MECHANISMS", {})
+    mechanism = Mechanism("test", Switch("--test", lambda args: True), ())
+    assert mechanism_options.register_mechanism(mechanism) is mechanism
+    assert mechanism_options.MECHANISMS == {"test": mechanism}
+    with pytest.raises(ValueError, match="^mechanism 'test' registered twice$"):
+        mechanism_options.register_mechanism(Mechanism("test", Switch("--other", lambda args: True), ()))
+    assert mechanism_options.MECHANISMS["test"] is mechanism
 
 
 @pytest.mark.parametrize("mechanism, option", CASES, ids=[option.flag for _, option in CASES])

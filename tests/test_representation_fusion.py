@@ -128,6 +128,21 @@ def test_independent_w1_is_initialised_like_a_linear_layer(attention_bias):
         assert values.unique().numel() == size
 
 
+def test_independent_w1_with_biases_computes_equations_5_and_6():
+    """Wang et al. 2018, Eqs. 5-6 with "+ indep. W1" (footnote 4) and the biases on:
+    ``e_p^l = W2_p^T tanh(W1_l^T z~^l + b1_l) + b2_p``, ``a_p^l = softmax_l(e_p^l)``."""
+    torch.manual_seed(0)
+    options = FusionOptions(hops=HOPS, attention_dim=D_A, ffn_dim=D_F, independent_w1=True,
+                            attention_bias=True)
+    attention = LayerAttention(4, D, options).double()
+    states = stacked_states().double()  # z~: K x T x B x C
+    w1, b1 = attention.w1.detach(), attention.w1_bias.detach()  # K x C x d_a, K x d_a
+    w2, b2 = attention.w2.weight.detach(), attention.w2.bias.detach()  # n_hop x d_a, n_hop
+    energies = torch.stack([torch.tanh(states[l] @ w1[l] + b1[l]) @ w2.T + b2 for l in range(4)])
+    expected = torch.softmax(energies, dim=0).permute(1, 2, 3, 0)  # T x B x n_hop x K
+    torch.testing.assert_close(attention(states), expected)
+
+
 def test_independent_w1_has_one_matrix_per_layer():
     options = FusionOptions(hops=HOPS, attention_dim=D_A, ffn_dim=D_F)
     shared = LayerAttention(4, D, options)

@@ -54,11 +54,34 @@ def test_slot_options_are_listed_with_their_choices():
 
 
 def test_two_mechanisms_claiming_one_slot_is_an_error():
+    """The message names the slot, the layer (1-based, as the options count layers) where
+    the slot is built per layer, and both mechanisms."""
     slot = slots.Slot("test")
     slot.register("a")(lambda cfg, **ctx: torch.nn.Identity())
     slot.register("b")(lambda cfg, **ctx: torch.nn.Identity())
-    with pytest.raises(ValueError, match=r"claimed by several mechanisms \(a, b\)"):
-        slot.build(object(), layer_idx=0)
+    with pytest.raises(ValueError, match=r"^the test slot of layer 2 is claimed by several mechanisms \(a, b\): choose one$"):
+        slot.build(object(), layer_idx=1)
+    with pytest.raises(ValueError, match=r"^the test slot is claimed by several mechanisms \(a, b\): choose one$"):
+        slot.build(object(), num_layers=3)
+
+
+@pytest.mark.parametrize("name", ["a", slots.DEFAULT])
+def test_a_filler_name_is_registered_once_and_standard_is_fairseqs(name):
+    """A second filler of one name would silently replace the first; ``standard`` names
+    fairseq's own module, which no filler can be."""
+    slot = slots.Slot("test")
+    slot.register("a")(lambda cfg, **ctx: torch.nn.Identity())
+    with pytest.raises(ValueError, match=f"^test: filler '{name}' registered twice$"):
+        slot.register(name)(lambda cfg, **ctx: torch.nn.Identity())
+
+
+def test_model_hooks_run_once_on_every_built_model_with_its_encoder_and_decoder(monkeypatch):
+    calls = []
+    monkeypatch.setattr(slots, "_MODEL_HOOKS", list(slots._MODEL_HOOKS))
+    hook = slots.register_model_hook(lambda encoder, decoder: calls.append((encoder, decoder)))
+    assert callable(hook)
+    model = build_model("slot_transformer")
+    assert len(calls) == 1 and calls[0][0] is model.encoder and calls[0][1] is model.decoder
 
 
 def test_unclaimed_slot_keeps_fairseq_module():
@@ -187,3 +210,35 @@ def test_staged_layer_passes_per_call_extras_to_the_step_after_self_attention():
         plain = reference(x, memory, padding)[0]
     assert torch.equal(got, expected)
     assert not torch.allclose(got, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("norm", NORMALIZATION)
+def test_staged_layer_takes_fairseqs_prev_attention_states(norm):
+    """fairseq's ``prev_self_attn_state`` ([key, value, key padding mask]) and
+    ``prev_attn_state`` ([key, value]) arguments of a decoder layer seed the attention
+    caches as in fairseq's layer: the same output and the same caches afterwards."""
+    reference, ours = layer_pair(norm)
+    x, memory, padding = layer_inputs()
+    batch, heads, head_dim, past = x.size(1), reference.self_attn.num_heads, reference.self_attn.head_dim, 3
+    gen = torch.Generator().manual_seed(2)
+    past_padding = torch.zeros(batch, past, dtype=torch.bool)
+    past_padding[0, 0] = past_padding[2, :2] = True
+    self_state = [torch.randn(batch, heads, past, head_dim, generator=gen),
+                  torch.randn(batch, heads, past, head_dim, generator=gen), past_padding]
+    cross_state = [torch.randn(batch, heads, memory.size(0), head_dim, generator=gen),
+                   torch.randn(batch, heads, memory.size(0), head_dim, generator=gen)]
+    step = x[:1]
+    outputs, caches = [], []
+    with torch.no_grad():
+        for layer in (reference, ours):
+            state = {}
+            outputs.append(layer(step, memory, padding, state, prev_self_attn_state=list(self_state),
+                                 prev_attn_state=list(cross_state), need_attn=True))
+            caches.append((layer.self_attn._get_input_buffer(state), layer.encoder_attn._get_input_buffer(state)))
+        unseeded = ours(step, memory, padding, {}, need_attn=True)
+    assert torch.equal(outputs[1][0], outputs[0][0]) and torch.equal(outputs[1][1], outputs[0][1])
+    for got, expected in zip(caches[1], caches[0]):
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), key
+    assert not torch.allclose(outputs[1][0], unseeded[0], atol=1e-3)

@@ -36,13 +36,14 @@ class Slot:
     fillers registered with ``selectable=True`` are the option's choices besides
     ``standard`` (fairseq's module) and are built only when chosen. Other fillers are
     built for every configuration and claim the slot by returning a module; they read
-    their own mechanism's options (e.g. ``--layer-aggregation``).
+    their own mechanism's options (e.g. ``--layer-aggregation``). A slot is exclusive
+    when it is read with :meth:`build` (one filler at most) and not when it is read with
+    :meth:`build_all` (the encoder memory slot).
     """
 
-    def __init__(self, name: str, option: Optional[str] = None, exclusive: bool = True):
+    def __init__(self, name: str, option: Optional[str] = None):
         self.name = name
         self.option = option
-        self.exclusive = exclusive
         self._fillers: Dict[str, Filler] = {}
         self._selectable: List[str] = []
 
@@ -114,7 +115,7 @@ def _where(context) -> str:
 ENCODER_SELF_ATTENTION = Slot("encoder self-attention", "--encoder-self-attention")
 DECODER_SELF_ATTENTION = Slot("decoder self-attention", "--decoder-self-attention")
 DECODER_CROSS_ATTENTION = Slot("decoder cross-attention", "--decoder-cross-attention")
-ENCODER_MEMORY = Slot("encoder memory", exclusive=False)
+ENCODER_MEMORY = Slot("encoder memory")  # not exclusive: read with build_all, never build
 DECODER_OUTPUT = Slot("decoder output")
 SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
 
