@@ -13,6 +13,8 @@ import pytest
 from mlmha_fairseq.cli import experiment
 from test_demo import tiny_corpus
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "experiment")
+
 GRID = """
 work_dir = "{work}"
 seeds = 2
@@ -124,3 +126,15 @@ def test_a_corpus_built_with_the_same_settings_is_kept(tmp_path, monkeypatch):
                     (*settings[:4], 800, settings[5])):
         experiment.build_corpus(*changed)
     assert len(built) == 4  # other sources, training verses or merges: built again
+
+
+@pytest.mark.parametrize("config", sorted(os.listdir(EXAMPLES)))
+def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
+    """Each shipped grid loads, its systems are the package's, and it shares the demo grid's
+    work directory, corpus and budget, so the baseline's seeds are trained once for all."""
+    demo = experiment.load_config(os.path.join(EXAMPLES, "demo.toml"))
+    loaded = experiment.load_config(os.path.join(EXAMPLES, config))
+    assert loaded.systems[0].name == "Transformer (fairseq)" and loaded.seeds == [1, 2, 3]
+    assert (loaded.work_dir, loaded.corpus) == (demo.work_dir, demo.corpus)
+    for key in ("max_update", "max_tokens", "beam"):
+        assert loaded.settings[key] == demo.settings[key], key
