@@ -218,6 +218,19 @@ def test_layer_options_and_presets(arch, options, encoder, decoder):
         assert model.decoder.layers[index].self_attn.local_unit.causal
 
 
+def test_dropout_options_reach_every_dc_module():
+    """``--dropout`` is the local unit's dropout on r_hat (thesis Eq. 5.4) and
+    ``--attention-dropout`` the attention dropout of both FI units (Eqs. 5.5-5.6), in every
+    DC layer of both stacks."""
+    model = build_model("slot_transformer", *FULL_DC, "--dropout", "0.3", "--attention-dropout", "0.2")
+    modules = [stack.layers[i].self_attn for stack in (model.encoder, model.decoder) for i in dc_layers(stack)]
+    assert len(modules) == ENCODER_LAYERS + DECODER_LAYERS
+    for module in modules:
+        assert module.local_unit.dropout_module.p == 0.3
+        assert module.local_interaction.dropout_module.p == 0.2
+        assert module.global_interaction.dropout_module.p == 0.2
+
+
 # --- FI-unit diversity ----------------------------------------------------------------------
 
 def test_js_divergence_and_head_reductions():

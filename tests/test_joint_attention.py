@@ -1,4 +1,6 @@
 """MLMHA and layer aggregation inside the slot Transformer (Ampomah et al. 2020; thesis ch. 3)."""
+import argparse
+
 import pytest
 import torch
 from fairseq.modules import MultiheadAttention
@@ -15,7 +17,7 @@ from fairseq_helpers import (
     toy_dictionary,
     train_args,
 )
-from mlmha_fairseq.models.joint_attention import TransparentCrossAttention
+from mlmha_fairseq.models.joint_attention import COLLECTED_LAYERS, TransparentCrossAttention
 
 VARIANTS = ("M-00", "M-01", "M-10", "M-11")
 AGGREGATIONS = ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")
@@ -320,3 +322,47 @@ def test_sharing_options_remove_the_per_layer_projections(sharing, saved_per_lay
     default = build_model("slot_transformer", *mlmha("M-10"))
     assert num_params(default) - num_params(model) == DECODER_LAYERS * saved_per_layer
     assert_incremental_matches_full(model, dictionary)
+
+
+@pytest.mark.parametrize("layer", [2, 3])
+def test_the_lowest_and_the_top_collected_layer_can_be_masked(layer):
+    """``--mlmha-mask-encoder-layer L`` accepts every collected layer, the lowest included:
+    with 3 encoder layers and ``--mlmha-top-n 2`` the taps are layers 2 and 3, so layer L is
+    tap L - 2. Zero mode zeroes that tap in the encoder's ``mlmha_taps`` output; drop mode
+    leaves the taps as they are and drops that tap in every decoder layer's MLMHA."""
+    dictionary = toy_dictionary()
+    options = mlmha("M-00", "--mlmha-top-n", "2")
+    torch.manual_seed(0)
+    plain = build_model("slot_transformer", *options, dictionary=dictionary).eval()
+    src, lengths, _ = random_batch(dictionary)
+    with torch.no_grad():
+        taps = plain.encoder(src, lengths)["mlmha_taps"][0]
+    expected = {"zero": taps.clone(), "drop": taps}
+    expected["zero"][layer - 2] = 0
+    dropped = {"zero": None, "drop": layer - 2}
+    for mode in ("zero", "drop"):
+        masked = build_model("slot_transformer", *options, "--mlmha-mask-encoder-layer", str(layer),
+                             "--mlmha-mask-mode", mode, dictionary=dictionary).eval()
+        masked.load_state_dict(plain.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(masked.encoder(src, lengths)["mlmha_taps"][0], expected[mode])
+        assert [l.encoder_attn.dropped_layer_index for l in masked.decoder.layers] == \
+            [dropped[mode]] * DECODER_LAYERS
+
+
+@pytest.mark.parametrize(
+    "args, on",
+    [({}, False),
+     ({"decoder_cross_attention": "multi-layer"}, True),
+     ({"layer_aggregation": "c-agg"}, True),
+     ({"layer_aggregation": "linear-combination"}, True),
+     ({"layer_aggregation": "transparent"}, False),
+     ({"layer_aggregation": "none", "decoder_cross_attention": "default"}, False)],
+    ids=["no options", "mlmha", "c-agg", "alias", "transparent", "off"],
+)
+def test_layer_collection_is_on_for_mlmha_and_the_aggregations_only(args, on):
+    """The switch of the set-while-off check of ``--mlmha-top-n`` and the masking options:
+    MLMHA and the four thesis aggregations (and their aliases) collect the top-n layers;
+    transparent attention mixes all states and collects none; args without the options (a
+    preset's before the defaults are filled) read as off."""
+    assert COLLECTED_LAYERS.switch.is_on(argparse.Namespace(**args)) is on

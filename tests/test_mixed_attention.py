@@ -127,6 +127,16 @@ def test_fairseq_constructor_arguments_reach_the_projections():
     assert module.dropout_module.p == 0.2
 
 
+@pytest.mark.parametrize("sizes", [dict(kdim=D // 2), dict(vdim=D // 2)], ids=["kdim", "vdim"])
+def test_is_a_fairseq_self_attention_and_refuses_other_key_value_sizes(sizes):
+    """An encoder *self*-attention (Cui et al. 2019, Eq. 7: Q, K, V are the layer input):
+    built as fairseq's self-attention (its ``self_attention`` flag set), whose own check
+    refuses keys or values of another width than the queries at construction."""
+    assert MixedMultiheadAttention(D, HEADS, "GLFB", 1).self_attention is True
+    with pytest.raises(AssertionError, match="Self-attention requires query, key and value to be of the same size"):
+        MixedMultiheadAttention(D, HEADS, "GLFB", 1, **sizes)
+
+
 def test_every_tensor_follows_the_device_of_the_input():
     """The structural masks, the padding and the diagonal of fully masked rows are made on the
     query's device (checked on PyTorch's meta device, which refuses to mix with CPU tensors, so

@@ -3,9 +3,13 @@ models would): their defaults and their errors. These pin behaviour the model-le
 cannot see, because the models always pass every argument."""
 import pytest
 import torch
+import torch.nn.functional as F
+from fairseq.models import BaseFairseqModel
 
 from mlmha_fairseq.modules.auxiliary_information_fusion import AuxiliaryInformationFusion
 from mlmha_fairseq.modules.dual_contextual import DualContextual, LocalContextualUnit
+from mlmha_fairseq.modules.layer_aggregation import Aggregate
+from mlmha_fairseq.modules.multi_layer_attention import MultiLayerMultiheadAttention
 
 
 def test_aif_default_has_no_dropout_on_the_fused_vector():
@@ -90,3 +94,105 @@ def test_dual_contextual_attention_dropout_applies_to_both_interaction_units():
     with torch.no_grad():
         module.merge_bias.copy_(torch.arange(8.0))
     torch.testing.assert_close(module(r, r, r)[0], torch.arange(8.0).expand(5, 3, 8))
+
+
+class Holder(BaseFairseqModel):
+    """A fairseq model holding one module, so that fairseq's own ``make_generation_fast_``
+    (what ``fairseq-generate --retain-dropout --retain-dropout-modules`` calls) walks it."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def layer_norm(x):
+    return F.layer_norm(x, x.shape[-1:])
+
+
+def aggregate_inputs():
+    return torch.randn(2, 5, 3, 8, dtype=torch.float64)
+
+
+def aif_fully_dropped():
+    """AIF (thesis Eq. 4.2) with dropout 1 on z^f: zeros."""
+    module = AuxiliaryInformationFusion(embed_dim=8, num_aux=2, dropout=1.0).double()
+    features = torch.randn(5, 3, 16, dtype=torch.float64)
+    return module, lambda: module(features), torch.zeros(5, 3, 8, dtype=torch.float64)
+
+
+def local_unit_fully_dropped():
+    """DC local unit (thesis Eq. 5.4) with r_hat dropped: l_c = LN(r)."""
+    module = LocalContextualUnit(embed_dim=8, kernel_size=3, causal=False, dropout=1.0).double()
+    r = torch.randn(5, 3, 8, dtype=torch.float64)
+    return module, lambda: module(r), layer_norm(r)
+
+
+def aggregate_output_dropped():
+    """AGG unit (thesis Eq. 3.3) with the FFN output dropped: LN(sum_i r_i)."""
+    module = Aggregate(2, 8, 12, dropout=1.0, activation_dropout=0.0).double()
+    inputs = aggregate_inputs()
+    return module, lambda: module(inputs), layer_norm(inputs.sum(dim=0))
+
+
+def aggregate_activation_dropped():
+    """AGG unit with the FFN's hidden activation dropped: LN(b_2 + sum_i r_i)."""
+    module = Aggregate(2, 8, 12, dropout=0.0, activation_dropout=1.0).double()
+    inputs = aggregate_inputs()
+    expected = layer_norm(module.fc2.bias.detach() + inputs.sum(dim=0))
+    return module, lambda: module(inputs), expected
+
+
+def mlmha_attention_dropped():
+    """MLMHA (Eqs. 8-12) with every attention weight dropped: contexts 0, out_proj has no
+    bias, so the output is 0."""
+    module = MultiLayerMultiheadAttention(8, 2, num_taps=2, joint_weights=True,
+                                          concat_contexts=False, dropout=1.0).double()
+    query = torch.randn(4, 3, 8, dtype=torch.float64)
+    taps = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    return module, lambda: module(query, taps, taps)[0], torch.zeros(4, 3, 8, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("case, name", [
+    (aif_fully_dropped, "AuxiliaryInformationFusion"),
+    (local_unit_fully_dropped, "LocalContextualUnit"),
+    (aggregate_output_dropped, "Aggregate"),
+    (aggregate_activation_dropped, "Aggregate"),
+    (mlmha_attention_dropped, "MultiLayerMultiheadAttention"),
+])
+def test_dropout_is_retained_at_inference_for_the_modules_named_by_class(case, name):
+    """``--retain-dropout-modules`` names modules by class: listing the module's class keeps
+    its dropout at inference (dropout 1 gives the closed form written in each case); listing
+    another class leaves it off (the output of the same module in eval mode)."""
+    torch.manual_seed(0)
+    module, run, dropped = case()
+    module.eval()
+    with torch.no_grad():
+        undropped = run()
+    assert not torch.allclose(undropped, dropped)
+    Holder(module).make_generation_fast_(retain_dropout=True, retain_dropout_modules=["Other"])
+    with torch.no_grad():
+        torch.testing.assert_close(run(), undropped)
+    Holder(module).make_generation_fast_(retain_dropout=True, retain_dropout_modules=[name])
+    with torch.no_grad():
+        torch.testing.assert_close(run(), dropped)
+
+
+def test_mlmha_defaults_bias_free_unshared_projections_and_no_dropout():
+    """MLMHA built from its required arguments only (M-01 here): bias-free, one query, key and
+    value projection per tap (Ampomah et al. 2020, Eqs. 7-8: ``W^{q,(i)}``, ``W^{k,(i)}``,
+    ``W^{v,(i)}``, n d x d matrices each) and one d x d output projection for the summed
+    context, so 3 n d^2 + d^2 parameters; no dropout (training output = eval output); and
+    the decoder hands it fairseq's ``encoder_out`` as its memory; it returns attention weights
+    only when asked (``need_weights``/``need_head_weights``, as called by fairseq's decoder
+    layer)."""
+    torch.manual_seed(0)
+    taps, dim = 3, 8
+    module = MultiLayerMultiheadAttention(dim, 2, num_taps=taps, joint_weights=True,
+                                          concat_contexts=False)
+    assert sum(p.numel() for p in module.parameters()) == 3 * taps * dim * dim + dim * dim
+    assert module.memory_key == "encoder_out"
+    query = torch.randn(4, 3, dim)
+    memory = torch.randn(taps, 5, 3, dim)
+    output, weights = module.train()(query, memory, memory)
+    assert weights is None
+    torch.testing.assert_close(output, module.eval()(query, memory, memory)[0])

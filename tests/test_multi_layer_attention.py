@@ -345,9 +345,12 @@ def test_init_matches_fairseq_scale():
         assert weight.abs().max() <= qkv_bound and weight.abs().max() > 0.8 * qkv_bound
     assert module.out_proj.weight.abs().max() <= out_bound
     assert torch.all(module.out_proj.bias == 0)
-    # q/k/v biases keep nn.Linear's default U(-1/sqrt(d), 1/sqrt(d)), as in fairseq.
+    # q/k/v biases keep nn.Linear's default U(-1/sqrt(d), 1/sqrt(d)), as in fairseq: within
+    # the bound and spread over both halves of the interval.
+    bias_bound = DIM**-0.5
     for bias in (module.q_proj_bias, module.k_proj_bias, module.v_proj_bias):
-        assert 0 < bias.abs().max() <= DIM**-0.5
+        assert bias.abs().max() <= bias_bound
+        assert bias.min() < -bias_bound / 2 and bias.max() > bias_bound / 2
 
 
 def test_parse_variant():
@@ -531,3 +534,21 @@ def test_sharing_parameter_count_closed_form(variant, bias, share_query, share_k
     context_dim = num_taps * DIM if concat else DIM
     expected = projections * DIM * DIM + context_dim * DIM + ((projections + 1) * DIM if bias else 0)
     assert sum(p.numel() for p in module.parameters()) == expected
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_tensor_follows_the_device_of_the_taps(variant):
+    """The attention masks and the index of the dropped tap (``dropped_layer_index``, the
+    drop-mode ablation of thesis §2.6(5)) are made on the taps' device (checked on PyTorch's
+    meta device, which refuses to mix with CPU tensors, so no GPU is needed)."""
+    joint, concat = parse_variant(variant)
+    with torch.device("meta"):
+        module = MultiLayerMultiheadAttention(DIM, HEADS, TAPS, joint, concat, bias=True,
+                                              dropped_layer_index=1).eval()
+    query = torch.empty(TGT_LEN, BSZ, DIM, device="meta")
+    taps = torch.empty(TAPS, SRC_LEN, BSZ, DIM, device="meta")
+    mask = torch.zeros(BSZ, SRC_LEN, dtype=torch.bool, device="meta")
+    for need_weights in (False, True):
+        out, weights = run(module, query, taps, mask, need_weights=need_weights)
+        assert out.is_meta and out.shape == (TGT_LEN, BSZ, DIM)
+        assert weights is None or (weights.is_meta and weights.shape == (BSZ, TGT_LEN, SRC_LEN))

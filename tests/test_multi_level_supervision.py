@@ -382,6 +382,27 @@ def test_fusion_is_the_sum_over_auxiliary_decoders_of_f_times_w():
     torch.testing.assert_close(fusion(torch.cat([f1, f2], dim=-1)), f1 @ w1 + f2 @ w2)
 
 
+def test_fusion_dropout_is_applied_to_z_f_in_training():
+    """``--aux-fusion-dropout p``: dropout on the fused vector z^f of every Main-Decoder layer
+    (Eq. 4.2), during training only; the same random draw as ``F.dropout(z^f, p)``."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2", "--aux-fusion", "--aux-fusion-dropout", "0.25"),
+                        dictionary=dictionary).train()
+    f1, f2 = torch.randn(5, 3, D), torch.randn(5, 3, D)
+    for layer in model.decoder.layers:
+        w1, w2 = layer.aux_fusion.weights()
+        torch.manual_seed(3)
+        got = layer.aux_fusion(torch.cat([f1, f2], dim=-1))
+        torch.manual_seed(3)
+        expected = torch.nn.functional.dropout(f1 @ w1 + f2 @ w2, p=0.25, training=True)
+        torch.testing.assert_close(got, expected)
+        assert (got == 0).any()
+    model.eval()
+    layer = model.decoder.layers[0]
+    w1, w2 = layer.aux_fusion.weights()
+    torch.testing.assert_close(layer.aux_fusion(torch.cat([f1, f2], dim=-1)), f1 @ w1 + f2 @ w2)
+
+
 # --- inference --------------------------------------------------------------------------------
 
 @NORMS
@@ -461,6 +482,101 @@ def test_decode_from_an_auxiliary_decoder_gives_its_output():
         torch.testing.assert_close(aux2(src, lengths, prev)[0], expected)
 
 
+def test_decode_from_passes_the_decoder_arguments_to_the_auxiliary_decoder():
+    """``--decode-from aux:2`` with fairseq's decoder arguments (features only, an incremental
+    state, the alignment layer): the result of fairseq's decoder stack of Aux-Decoder 2 called
+    with them on its memory, the output of encoder layer 2."""
+    dictionary = toy_dictionary()
+    aux2 = build_model("ms_transformer", *ms("1,2", "--decode-from", "aux:2"), dictionary=dictionary).eval()
+    src, lengths, prev = random_batch(dictionary)
+    stack = aux2.decoder.aux_decoders[1]
+    with torch.no_grad():
+        encoder_out = aux2.encoder(src, src_lengths=lengths)
+        memory = {**encoder_out, "encoder_out": [encoder_out["aux_memories"][0][1]]}
+        torch.testing.assert_close(memory["encoder_out"][0],
+                                   aux2.encoder(src, src_lengths=lengths, return_all_hiddens=True)["encoder_states"][2])
+        got, got_extra = aux2.decoder(prev, encoder_out, features_only=True, alignment_layer=0)
+        expected, expected_extra = stack(prev, encoder_out=memory, features_only=True, alignment_layer=0)
+        state, stack_state = {}, {}
+        step = aux2.decoder(prev[:, :1], encoder_out, incremental_state=state)[0]
+        stack_step = stack(prev[:, :1], encoder_out=memory, incremental_state=stack_state)[0]
+    assert got.shape[-1] == D and torch.equal(got, expected)
+    assert torch.equal(got_extra["attn"][0], expected_extra["attn"][0])
+    assert torch.equal(step, stack_step) and state.keys() == stack_state.keys() != set()
+
+
+@pytest.mark.parametrize("options", [{}, {"alignment_layer": 0, "alignment_heads": 1},
+                                     {"full_context_alignment": True}],
+                         ids=["defaults", "alignment-layer-and-heads", "full-context"])
+def test_main_decoder_features_take_fairseqs_alignment_arguments(options):
+    """The Main-Decoder's ``extract_features`` called directly (without AIF the auxiliary
+    decoders do not change it): the slot Transformer's with the same weights, for the default
+    and the given alignment arguments."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1"), dictionary=dictionary).eval()
+    slot = build_model("slot_transformer", dictionary=dictionary).eval()
+    slot.load_state_dict({k: v for k, v in model.state_dict().items() if ".aux_decoders." not in k})
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=lengths)
+        expected, expected_extra = slot.decoder.extract_features(prev, encoder_out, **options)
+        got, got_extra = model.decoder.extract_features(prev, encoder_out, **options)
+        default = slot.decoder.extract_features(prev, encoder_out)
+    assert torch.equal(got, expected) and torch.equal(got_extra["attn"][0], expected_extra["attn"][0])
+    if options:  # the arguments change the result
+        assert not (torch.equal(expected, default[0]) and torch.equal(expected_extra["attn"][0], default[1]["attn"][0]))
+
+
+def test_main_decoder_forward_takes_fairseqs_decoder_arguments():
+    """The model's forward with fairseq's decoder arguments: ``features_only`` gives the
+    Main-Decoder's features (the slot Transformer's with the same weights, without AIF) and
+    no auxiliary logits; ``alignment_layer``/``alignment_heads`` reach the Main-Decoder's
+    layers."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1"), dictionary=dictionary).eval()
+    slot = build_model("slot_transformer", dictionary=dictionary).eval()
+    slot.load_state_dict({k: v for k, v in model.state_dict().items() if ".aux_decoders." not in k})
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        features, extra = model(src, lengths, prev, features_only=True)
+        expected_features, _ = slot(src, lengths, prev, features_only=True)
+        logits, aligned = model(src, lengths, prev, alignment_layer=0, alignment_heads=1)
+        expected_logits, expected_aligned = slot(src, lengths, prev, alignment_layer=0, alignment_heads=1)
+        _, last = slot(src, lengths, prev)
+    assert features.shape[-1] == D and torch.equal(features, expected_features)
+    assert "aux_out" not in extra and "aux_states" not in extra
+    assert torch.equal(logits, expected_logits) and len(aligned["aux_out"]) == 1
+    assert torch.equal(aligned["attn"][0], expected_aligned["attn"][0])
+    assert not torch.allclose(aligned["attn"][0], last["attn"][0])
+
+
+def test_decoding_steps_return_no_auxiliary_outputs():
+    """Incremental decoding with AIF runs the auxiliary decoders (their features feed AIF) but
+    projects none of them to the vocabulary: a step's extra holds no auxiliary entries."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1,2", "--aux-fusion"), dictionary=dictionary).eval()
+    calls = count_aux_decoder_layer_calls(model)
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        _, extra = model.decoder(prev[:, :1], model.encoder(src, src_lengths=lengths), incremental_state={})
+    assert len(calls) == 2 * DECODER_LAYERS
+    assert not {"aux_out", "aux_layers", "aux_states"} & set(extra)
+
+
+def test_aif_main_decoder_layers_take_the_decoder_slot_fillers_of_their_index():
+    """The Main-Decoder's AIF layers are slot layers built with their own index: a per-layer
+    decoder mechanism (the Dual Contextual module on decoder layer 2) lands in that layer of
+    the Main-Decoder only (the auxiliary decoders are fairseq's stacks)."""
+    from mlmha_fairseq.models.multi_level_supervision import AIFDecoderLayer
+    from mlmha_fairseq.modules.dual_contextual import DualContextual
+
+    model = build_model("ms_transformer", *ms("1", "--aux-fusion"), "--dc-decoder-layers", "2")
+    main = model.decoder.layers
+    assert all(isinstance(layer, AIFDecoderLayer) for layer in main)
+    assert [isinstance(layer.self_attn, DualContextual) for layer in main] == [False, True]
+    assert not any(isinstance(layer.self_attn, DualContextual) for layer in model.decoder.aux_decoders[0].layers)
+
+
 # --- parameters and sharing (thesis §3.1, §3.4) ----------------------------------------------
 
 @NORMS
@@ -502,6 +618,7 @@ def test_auxiliary_decoders_share_embeddings_and_output_projection(share):
         assert aux.embed_tokens.weight is main.embed_tokens.weight
         assert aux.output_projection.weight is main.output_projection.weight
         assert aux.embed_positions is main.embed_positions
+        assert aux.dictionary is main.dictionary  # a complete fairseq decoder over the target vocabulary
         assert aux.layers[0].self_attn.q_proj.weight is not main.layers[0].self_attn.q_proj.weight
     if share == ["--share-all-embeddings"]:
         assert model.encoder.embed_tokens.weight is main.aux_decoders[0].output_projection.weight
@@ -527,11 +644,39 @@ def test_presets():
         (ms("1", "--zero-aif"), "--zero-aif needs --aux-fusion"),
         (ms("1", "--decode-from", "aux:2"), "choose one of main, aux:1"),
         (ms("1", "--decode-from", "aux"), "choose one of main, aux:1"),
+        (ms("1", "--no-cross-attention"), "^auxiliary decoders attend to encoder layers: they cannot be used with "
+                                          "--no-cross-attention$"),
+        (ms("1", "--adaptive-softmax-cutoff", "10"), "^auxiliary decoders share the output projection, which "
+                                                     "--adaptive-softmax-cutoff replaces: use a plain softmax$"),
+        (ms("1", "--aux-fusion", "--decoder-output-dim", "8"),
+         "^--aux-fusion needs --decoder-output-dim == --decoder-embed-dim$"),
     ],
 )
 def test_bad_configurations_are_refused_with_a_clear_message(options, message):
     with pytest.raises(ValueError, match=message):
         build_model("ms_transformer", *options)
+
+
+@pytest.mark.parametrize("options", [ms("none", "--no-cross-attention"), ms("none", "--adaptive-softmax-cutoff", "10"),
+                                     ms("1", "--decoder-output-dim", "8")],
+                         ids=["no-cross-attention", "adaptive-softmax", "output-dim"])
+def test_what_only_auxiliary_decoders_or_aif_forbid_is_allowed_without_them(options):
+    """The refusals above apply only where they matter: without auxiliary decoders, and an
+    output dimension other than d without AIF (the auxiliary decoders project their own
+    features like the Main-Decoder). The Main-Decoder is then the slot Transformer's with
+    the same options (e.g. no cross-attention in its layers)."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *options, dictionary=dictionary).eval()
+    slot = build_model("slot_transformer", *options[2:], dictionary=dictionary).eval()
+    slot.load_state_dict({k: v for k, v in model.state_dict().items() if ".aux_decoders." not in k})
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        logits, extra = model(src, lengths, prev)
+        expected = slot(src, lengths, prev)[0]
+    assert torch.equal(logits, expected)
+    assert len(model.decoder.aux_decoders) == len(extra["aux_out"]) == (options[1] != "none")
+    for aux_logits, _ in extra["aux_out"]:
+        assert aux_logits.shape == logits.shape
 
 
 # --- command line: training, strip, analysis, distributed -------------------------------------

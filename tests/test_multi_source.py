@@ -300,6 +300,26 @@ def test_a_source_without_padding_mask_is_attended_in_full(strategy):
     torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_missing_memory_or_mask_is_refused_each_alone(strategy):
+    """A sublayer built for n sources needs n memories and n masks: one too few of either,
+    the other complete, is refused (not silently cut to the shorter list)."""
+    module = combination(strategy, pre_norm=False)
+    x, memories, masks = sublayer_inputs()
+    for wrong_memories, wrong_masks, counts in ((memories[:2], masks, "2 memories and 3 masks"),
+                                                (memories, masks[:2], "3 memories and 2 masks")):
+        with pytest.raises(ValueError, match=f"built for 3 sources got {counts}"):
+            module(x, wrong_memories, wrong_masks)
+
+
+@pytest.mark.parametrize("primary_index", [-1, 3])
+def test_primary_source_must_be_one_of_the_sources(primary_index):
+    """The primary source (whose weights are fairseq's alignment output) is one of 0..n-1."""
+    with pytest.raises(ValueError, match=f"primary source {primary_index} of 3 sources"):
+        build_input_combination("serial", D, 2, 3, M, dropout=0.0, attention_dropout=0.0,
+                                normalize_before=False, primary_index=primary_index)
+
+
 def test_hierarchical_second_level_drops_weights_at_the_general_rate():
     """Libovický et al. 2018's reference implementation: the per-source attentions drop attention
     weights at --attention-dropout, the second level at the general dropout rate."""
@@ -374,6 +394,25 @@ def test_every_source_is_projected_once_per_sentence_and_cached(strategy):
         for step in (2, 3):
             model.decoder(prev[:, :step], encoder_out=encoder_out, incremental_state=state)
     assert len(calls) == len(attentions) and set(map(id, calls)) == set(map(id, attentions))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_alignment_output_is_the_attention_over_the_primary_source(strategy):
+    """fairseq's alignment output (``extra["attn"]``: the top layer's cross-attention weights,
+    averaged over heads) is, with ``--primary-source b``, the weights over source b (5
+    tokens, unlike a and c: 7), the same as the top sublayer's recorded weights over b."""
+    model, task = build_multi_source(["a", "b", "c"], "--primary-source", "b",
+                                     "--combination-strategy", strategy)
+    model.eval()
+    modules = combination_modules(model)
+    assert [module.primary_index for module in modules] == [1] * DECODER_LAYERS
+    for module in modules:
+        module.record_weights = True
+    inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
+    with torch.no_grad():
+        attn = forward(model, inputs, lengths, prev, primary=1)[1]["attn"][0]
+    assert attn.shape == (4, prev.size(1), 5)
+    torch.testing.assert_close(attn, modules[-1].recorded["sources"][1])
 
 
 def test_layer_returns_cross_attention_weights_when_fairseqs_layer_does():
@@ -499,6 +538,81 @@ def test_image_encoder_projects_the_features_and_pads_no_position():
     assert on_meta(torch.empty(4, POSITIONS, CHANNELS, device="meta"))["encoder_padding_mask"][0].is_meta
 
 
+def test_cross_attention_keys_have_the_encoder_width():
+    """With ``--encoder-embed-dim`` 12 and ``--decoder-embed-dim`` 16, every per-source
+    attention projects keys and values from the encoders' width (Libovický et al. 2018, Eq. 3:
+    ``K W_i^K`` with K an encoder state), the hierarchical second level from the contexts'
+    (the decoder's): W^K and W^V are 16 x 12, resp. 16 x 16; and the model runs."""
+    for strategy in STRATEGIES:
+        model, task = build_multi_source(["a", "b"], "--encoder-embed-dim", "12",
+                                         "--combination-strategy", strategy)
+        model.eval()
+        for module in combination_modules(model):
+            for attention in module.attentions:
+                assert attention.k_proj.weight.shape == attention.v_proj.weight.shape == (D, 12), strategy
+            if strategy == "hierarchical":
+                assert module.hier_attention.k_proj.weight.shape == (D, D)
+        inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
+        with torch.no_grad():
+            assert forward(model, inputs, lengths, prev)[0].shape == (*prev.shape, len(task.dictionary))
+
+
+def test_decoder_layer_selection_reaches_every_multi_source_layer():
+    """Decoder self-attention mechanisms placed by layer (here ``--dc-decoder-layers 2``, the
+    Dual Contextual module) see each multi-source decoder layer's own index: layer 2 only."""
+    model, _ = build_multi_source(["a", "b"], "--dc-decoder-layers", "2")
+    kinds = [type(layer.self_attn).__name__ for layer in model.decoder.layers]
+    assert kinds == ["MultiheadAttention", "DualContextual"]
+
+
+def test_encoder_is_a_fairseq_encoder_over_the_joint_dictionary():
+    """``FairseqEncoder.dictionary``: the task's one joint dictionary, as fairseq's encoder keeps
+    its source dictionary; so does every text encoder."""
+    model, task = build_multi_source(["a", "img", "b"], image_sources=("img",))
+    assert model.encoder.dictionary is task.source_dictionary
+    text_encoders = [model.encoder.encoders[k] for k in (0, 2)]
+    assert all(encoder.dictionary is task.source_dictionary for encoder in text_encoders)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_retained_dropout_can_name_the_combination(strategy):
+    """fairseq's ``--retain-dropout --retain-dropout-modules NAME`` (dropout at inference for the
+    modules of that class name) reaches the combination sublayer's dropout under its class
+    name, and only under it."""
+    name = COMBINATIONS[strategy].__name__
+    for modules, expected in (([name], True), (["MultiheadAttention"], False)):
+        model, _ = build_multi_source(["a", "b"], "--combination-strategy", strategy, "--dropout", "0.1")
+        model.eval().make_generation_fast_(retain_dropout=True, retain_dropout_modules=modules)
+        assert [m.dropout_module.apply_during_inference for m in combination_modules(model)] == \
+            [expected] * DECODER_LAYERS, modules
+
+
+def write_embeddings(path, dictionary, value):
+    """fairseq's text embedding file (``--*-embed-path``): a header line, then ``word v_1 ... v_d``;
+    word ``w{i}`` gets ``value + i`` in every dimension."""
+    words = [w for w in dictionary.symbols if w.startswith("w")]
+    path.write_text(f"{len(words)} {D}\n" + "".join(
+        f"{w} {' '.join([str(value + int(w[1:]))] * D)}\n" for w in words))
+    return {dictionary.index(w): value + int(w[1:]) for w in words}
+
+
+def test_pretrained_embeddings_are_loaded_into_every_matrix(tmp_path):
+    """``--encoder-embed-path`` fills every text encoder's matrix (the primary source's and the
+    others', unshared), ``--decoder-embed-path`` the decoder's, as fairseq's transformer does."""
+    dictionary = toy_dictionary()
+    encoder_rows = write_embeddings(tmp_path / "encoder.txt", dictionary, 100.0)
+    decoder_rows = write_embeddings(tmp_path / "decoder.txt", dictionary, -100.0)
+    model, _ = build_multi_source(["a", "b"], "--primary-source", "b",
+                                  "--encoder-embed-path", tmp_path / "encoder.txt",
+                                  "--decoder-embed-path", tmp_path / "decoder.txt", dictionary=dictionary)
+    matrices = [encoder.embed_tokens.weight for encoder in model.encoder.encoders]
+    assert matrices[0] is not matrices[1]
+    for weight, rows in ((matrices[0], encoder_rows), (matrices[1], encoder_rows),
+                         (model.decoder.embed_tokens.weight, decoder_rows)):
+        for index, value in rows.items():
+            torch.testing.assert_close(weight[index], torch.full((D,), value))
+
+
 # --- parameters and options ---------------------------------------------------------
 
 def num_params(model):
@@ -517,18 +631,27 @@ def test_parameters_per_strategy_match_the_table_of_b2():
 
 
 def test_shared_embeddings_and_image_projection():
-    separate = num_params(build_multi_source(["a", "b"])[0])
-    shared = num_params(build_multi_source(["a", "b"], "--share-encoder-embeddings")[0])
-    assert separate - shared == len(toy_dictionary()) * D
+    """Libovický et al. 2018, §4: ``--share-all-embeddings`` ties one V x d matrix three ways
+    (every text encoder, the decoder's input and its output layer);
+    ``--share-encoder-embeddings`` ties the text encoders' only; otherwise each of the three
+    text encoders, the decoder's input and its output layer owns one."""
+    matrix = len(toy_dictionary()) * D
+    separate = num_params(build_multi_source(["a", "b", "c"])[0])
+    encoders_shared = num_params(build_multi_source(["a", "b", "c"], "--share-encoder-embeddings")[0])
+    all_shared = num_params(build_multi_source(["a", "b", "c"], "--share-all-embeddings")[0])
+    assert separate - encoders_shared == 2 * matrix  # b's and c's
+    assert encoders_shared - all_shared == 2 * matrix  # the decoder's input and output matrices
     model, _ = build_multi_source(["a", "b", "img"], "--share-all-embeddings", image_sources=("img",))
     text_a, text_b, image = model.encoder.encoders
     assert text_a.embed_tokens is text_b.embed_tokens is model.decoder.embed_tokens
+    assert model.decoder.output_projection.weight is model.decoder.embed_tokens.weight
     assert image.projection.weight.shape == (D, CHANNELS)
 
 
 @pytest.mark.parametrize("options, message", [
     (["--combination-strategy", "serial", "--hier-attention-heads", "2"], "applies to"),
     (["--combination-strategy", "hierarchical", "--hier-attention-heads", "3"], "must divide"),
+    (["--combination-strategy", "hierarchical", "--hier-attention-heads", "0"], "must divide"),
     (["--decoder-cross-attention", "multi-layer"], "claimed by several"),
 ])
 def test_bad_model_options_fail_with_a_clear_message(options, message):
@@ -536,9 +659,12 @@ def test_bad_model_options_fail_with_a_clear_message(options, message):
         build_multi_source(["a", "b"], *options)
 
 
-def test_hierarchical_heads_option():
-    model, _ = build_multi_source(["a", "b"], "--combination-strategy", "hierarchical", "--hier-attention-heads", "4")
-    assert all(m.hier_attention.num_heads == 4 for m in combination_modules(model))
+@pytest.mark.parametrize("heads", [1, 4, 16])
+def test_hierarchical_heads_option(heads):
+    """Any divisor of --decoder-embed-dim (16), one head included."""
+    model, _ = build_multi_source(["a", "b"], "--combination-strategy", "hierarchical",
+                                  "--hier-attention-heads", heads)
+    assert all(m.hier_attention.num_heads == heads for m in combination_modules(model))
 
 
 PRESETS = {
@@ -781,6 +907,7 @@ def test_build_model_writes_nothing_into_args():
     task = MultiSourceTranslationTask(args, toy_dictionary(), {"img": CHANNELS})
     model = task.build_model(args)
     assert vars(args) == before
+    assert model.args is args  # kept, as fairseq's transformer keeps them (its trainer reads them)
     assert model.encoder.encoders[1].projection.in_features == CHANNELS
 
 

@@ -171,3 +171,27 @@ def test_each_mechanism_parses_its_options_once_per_model(arch, extra, mechanism
         for name, parse in originals.items():
             object.__setattr__(MECHANISMS[name], "parse", parse)
     assert {name: calls.count(name) for name in mechanisms} == {name: 2 * n for name, n in mechanisms.items()}
+
+
+def test_the_slot_architecture_completes_missing_options_with_their_declared_defaults():
+    """``slot_transformer`` on arguments that lack every option (a checkpoint of an older
+    version): every selectable slot at ``standard`` and every slot-wide option at the default
+    written in its declaration; options already given are kept."""
+    args = argparse.Namespace(decoder_cross_attention="multi-layer", mlmha_top_n=2)
+    ARCH_CONFIG_REGISTRY["slot_transformer"](args)
+    assert args.encoder_self_attention == args.decoder_self_attention == "standard"
+    assert args.decoder_cross_attention == "multi-layer" and args.mlmha_top_n == 2
+    declared = {option.dest: option.default for mechanism in MECHANISMS.values() if mechanism.slot_wide
+                for option in mechanism.options if option.dest != "mlmha_top_n"}
+    assert "mlmha_variant" in declared and "aux_decoder_layers" not in declared
+    assert {dest: getattr(args, dest) for dest in declared} == declared
+
+
+def test_a_slot_choice_outside_the_registered_fillers_is_refused_by_the_parser(capsys):
+    """A slot option accepts ``standard`` and its registered fillers only: a misspelt
+    mechanism is an argparse error, not silently fairseq's module."""
+    parser = options.get_training_parser()
+    with pytest.raises(SystemExit):
+        options.parse_args_and_arch(parser, ["unused-data-dir", "--user-dir", USER_DIR, "--arch", "slot_transformer",
+                                             "--decoder-cross-attention", "multi_layer"])
+    assert "--decoder-cross-attention: invalid choice: 'multi_layer'" in capsys.readouterr().err

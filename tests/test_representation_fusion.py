@@ -33,6 +33,7 @@ from mlmha_fairseq.modules.representation_fusion import (
     FusionOptions,
     LayerAttention,
     build_fusion,
+    build_layer_embedding,
 )
 
 D = 16  # tests/fairseq_helpers.TINY_MODEL_ARGS
@@ -108,6 +109,20 @@ def test_avg_module_applies_the_layer_norm_by_default():
     torch.testing.assert_close(default(states), F.layer_norm(states.mean(0), (D,)))
 
 
+def test_layer_embedding_is_initialised_uniformly_in_plus_minus_0_1():
+    """[paper] §4.2: the layer embedding ``E`` (Eq. 4) is initialised with U(-0.1, 0.1); one
+    row per layer number, none of them zeroed (no padding row)."""
+    torch.manual_seed(0)
+    table = build_layer_embedding(4, D)
+    assert table.weight.shape == (4, D) and table.padding_idx is None
+    values = table.weight.detach()
+    assert values.abs().max() <= 0.1
+    # both signs, spread over the range (64 draws of U(-0.1, 0.1))
+    assert values.min() < -0.05 and values.max() > 0.05
+    assert values.unique().numel() == 4 * D
+    assert values.abs().sum(dim=-1).gt(0).all()
+
+
 @pytest.mark.parametrize("attention_bias", [False, True])
 def test_independent_w1_is_initialised_like_a_linear_layer(attention_bias):
     """[paper] §4.2, PyTorch's default init: every layer's W1 (and bias) is
@@ -175,6 +190,30 @@ def test_fnn_layer_embedding_is_a_first_layer_bias():
     with torch.no_grad():
         fnn.ffn.fc1.bias += fnn.ffn.fc1.weight @ embedding.reshape(-1)
     torch.testing.assert_close(fnn(states, None), with_embedding)
+
+
+@pytest.mark.parametrize("function", ["avg", "fnn", "sa"])
+def test_one_fused_state_is_allowed_and_none_is_refused(function):
+    """K = 1 (e.g. one layer with --mlrf-no-embedding-layer) is a valid fusion: AVG is
+    ``LN(z)``, FNN is ``LN(FNN(z~))``, and SA's softmax over one layer gives every hop the
+    weight 1, so ``s~_p = z~`` for every hop (Wang et al. 2018, Eqs. 6-7). K = 0 is refused."""
+    torch.manual_seed(0)
+    states, embedding = stacked_states(1).double(), torch.randn(1, D, dtype=torch.float64)
+    module = build_fusion(function, 1, D, FusionOptions(hops=HOPS, attention_dim=D_A, ffn_dim=D_F)).double()
+    if function == "avg":
+        expected = F.layer_norm(states[0], (D,))
+    else:
+        z = states[0] + embedding[0]
+        flat = torch.cat([z] * HOPS, dim=-1) if function == "sa" else z
+        hidden = F.relu(flat @ module.ffn.fc1.weight.T + module.ffn.fc1.bias)
+        expected = F.layer_norm(hidden @ module.ffn.fc2.weight.T + module.ffn.fc2.bias, (D,),
+                                module.layer_norm.weight, module.layer_norm.bias)
+    if function == "sa":
+        assert torch.equal(module.attention(states + embedding[:, None, None, :]),
+                           torch.ones(5, 3, HOPS, 1, dtype=torch.float64))
+    torch.testing.assert_close(module(states, embedding), expected)
+    with pytest.raises(ValueError, match="the number of fused layers K must be >= 1, got 0"):
+        build_fusion(function, 0, D, FusionOptions())
 
 
 def test_unknown_fusion_function_is_refused():
@@ -275,12 +314,60 @@ def test_parameter_count_closed_forms(options, extra):
     assert num_params(build_model("slot_transformer", *options)) - baseline == extra
 
 
+def test_encoder_and_decoder_of_different_widths_each_fuse_at_their_own_width():
+    """Without the shared layer embedding (--mlrf-no-layer-embedding) the two sides may have
+    different widths C; each fusion works at its own side's width, and the fusion is given no
+    layer embedding: the decoder's SA is Wang et al. 2018, Eqs. 5-7 on ``z~ = z`` (Eq. 4 without E)."""
+    torch.manual_seed(0)
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *fusion("fnn", "sa", "--mlrf-no-layer-embedding"),
+                        "--decoder-embed-dim", "8", dictionary=dictionary)
+    memory, output = model.encoder.memories["mlrf_fusion"], model.decoder.output_fusion
+    assert memory.layer_embedding is None and output.layer_embedding is None
+    assert (memory.fusion.ffn.fc1.in_features, memory.fusion.ffn.fc2.out_features) == ((ENCODER_LAYERS + 1) * D, D)
+    assert memory.fusion.layer_norm.weight.shape == (D,)
+    sa = output.fusion
+    assert (sa.attention.w1.in_features, sa.ffn.fc1.in_features, sa.ffn.fc2.out_features) == (8, HOPS * 8, 8)
+    assert sa.layer_norm.weight.shape == (8,)
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        assert model(src, lengths, prev)[0].shape == (*prev.shape, len(dictionary))
+        z = stacked_states(DECODER_LAYERS + 1, dim=8).double()
+        output.double()
+        energies = torch.tanh(z @ sa.attention.w1.weight.T) @ sa.attention.w2.weight.T  # K x T x B x n_hop
+        a = torch.softmax(energies, dim=0)
+        hops = torch.cat([(a[..., p, None] * z).sum(0) for p in range(HOPS)], dim=-1)
+        hidden = torch.relu(hops @ sa.ffn.fc1.weight.T + sa.ffn.fc1.bias)
+        expected = F.layer_norm(hidden @ sa.ffn.fc2.weight.T + sa.ffn.fc2.bias, (8,), sa.layer_norm.weight,
+                                sa.layer_norm.bias)
+        # the hop weights are computed in fp32, as fairseq's attention
+        torch.testing.assert_close(output(list(z)), expected, atol=1e-6, rtol=1e-5)
+
+
 def test_nist_preset_is_dec_sa_with_independent_w1():
     model = build_model("mlrf_transformer_nist")
     assert len(model.encoder.memories) == 0
     attention = model.decoder.output_fusion.fusion.attention
     assert attention.w1.shape == (DECODER_LAYERS + 1, D, 1024) and attention.w2.out_features == 4
     assert model.encoder.embed_tokens is not model.decoder.embed_tokens
+
+
+@pytest.mark.parametrize("preset", ["mlrf_transformer_iwslt_de_en", "mlrf_transformer_nist"])
+def test_presets_use_the_papers_dropout_and_embeddings_unless_set(preset):
+    """Wang et al. 2018, §4.2: residual dropout 0.1 and separate, untied source, target and
+    output embeddings by default; a --dropout or an embedding-sharing flag given by the user
+    is kept."""
+    model = build_model(preset)
+    assert model.encoder.dropout_module.p == model.decoder.dropout_module.p == 0.1
+    assert model.encoder.embed_tokens is not model.decoder.embed_tokens
+    assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
+    model = build_model(preset, "--dropout", "0.3", "--share-all-embeddings")
+    assert model.encoder.dropout_module.p == model.decoder.dropout_module.p == 0.3
+    assert model.encoder.embed_tokens is model.decoder.embed_tokens
+    assert model.decoder.output_projection.weight is model.decoder.embed_tokens.weight
+    model = build_model(preset, "--share-decoder-input-output-embed")
+    assert model.encoder.embed_tokens is not model.decoder.embed_tokens
+    assert model.decoder.output_projection.weight is model.decoder.embed_tokens.weight
 
 
 # ----------------------------------------------------------------------------- the shared table
@@ -359,6 +446,22 @@ def test_checkpoint_with_the_old_layer_embedding_table_loads_and_gives_the_same_
         torch.testing.assert_close(full_logits(model, src, lengths, prev), fixture["logits"])
 
 
+def test_old_table_upgrade_applies_only_without_the_embedding_layer():
+    """The upgrade of checkpoints from before the table lost its unused row drops row 0 only
+    with --mlrf-no-embedding-layer; when layer 0 is fused, a table with one row too many is
+    left as it is (strict loading then reports the mismatch instead of losing a trained row)."""
+    key = "decoder.output_fusion.layer_embedding.weight"
+    rows = torch.arange(DECODER_LAYERS + 2.0)[:, None].expand(-1, D)  # row r holds r
+    fused_layer_0 = build_model("slot_transformer", *fusion("none", "fnn")).decoder.output_fusion
+    state = {key: rows}
+    fused_layer_0.upgrade_state_dict_named(state, "decoder.output_fusion")
+    assert state[key] is rows
+    without_layer_0 = build_model("slot_transformer", *fusion("none", "fnn", "--mlrf-no-embedding-layer"))
+    state = {key: rows[:-1]}  # the old table: max(L) + 1 rows
+    without_layer_0.decoder.output_fusion.upgrade_state_dict_named(state, "decoder.output_fusion")
+    torch.testing.assert_close(state[key], rows[1:-1])
+
+
 # ----------------------------------------------------------------------------- decoding
 
 
@@ -412,6 +515,8 @@ def test_encoder_fusion_at_generation_uses_every_layer(norm):
     "options, message",
     [
         (fusion("sa", "none", "--mlrf-hops", "0"), "--mlrf-hops 0 must be >= 1"),
+        (fusion("sa", "none", "--mlrf-attention-dim", "0"), "--mlrf-attention-dim 0 must be >= 1"),
+        (fusion("none", "fnn", "--mlrf-ffn-dim", "-1"), "--mlrf-ffn-dim -1 must be >= 1"),
         (fusion("fnn", "avg", "--mlrf-indep-w1"), "--mlrf-indep-w1 needs SA fusion"),
         (fusion("fnn", "none", "--mlrf-fusion-dropout", "1.0"),
          r"--mlrf-fusion-dropout 1.0 must be in \[0, 1\)"),
@@ -424,6 +529,31 @@ def test_encoder_fusion_at_generation_uses_every_layer(norm):
 def test_bad_configurations_are_refused_with_a_clear_message(options, message):
     with pytest.raises(ValueError, match=message):
         build_model("slot_transformer", *options)
+
+
+def test_command_line_options_reach_the_sa_fusion():
+    """--mlrf-hops, --mlrf-attention-dim and --mlrf-ffn-dim at their smallest value 1, the
+    activations (sigma of Eq. 5 and the FNN's) and the fusion dropout as given: Wang et al.
+    2018, Eqs. 4-7 with ``e^l = W2 relu(W1 z~^l)`` and ``LN(W_b tanh(W_a s~ + b_a) + b_b)``."""
+    torch.manual_seed(0)
+    model = build_model("slot_transformer", "--mlrf-decoder-fusion", "sa", "--mlrf-hops", "1",
+                        "--mlrf-attention-dim", "1", "--mlrf-ffn-dim", "1", "--mlrf-attention-activation",
+                        "relu", "--mlrf-ffn-activation", "tanh", "--mlrf-fusion-dropout", "0.25")
+    output = model.decoder.output_fusion.double().eval()
+    sa = output.fusion
+    assert sa.ffn.dropout_module.p == 0.25
+    assert sa.attention.w1.weight.shape == (1, D) and sa.attention.w2.weight.shape == (1, 1)
+    assert sa.ffn.fc1.weight.shape == (1, D)  # n_hop * C -> d_f
+    states = stacked_states(DECODER_LAYERS + 1).double()
+    z = states + output.layer_embedding.weight[:, None, None, :]  # Eq. 4
+    energies = torch.relu(z @ sa.attention.w1.weight.T) @ sa.attention.w2.weight.T  # K x T x B x 1
+    hop = (torch.softmax(energies, dim=0) * z).sum(0)  # Eqs. 6-7, one hop
+    hidden = torch.tanh(hop @ sa.ffn.fc1.weight.T + sa.ffn.fc1.bias)
+    expected = F.layer_norm(hidden @ sa.ffn.fc2.weight.T + sa.ffn.fc2.bias, (D,), sa.layer_norm.weight,
+                            sa.layer_norm.bias)
+    with torch.no_grad():
+        # the hop weights are computed in fp32, as fairseq's attention
+        torch.testing.assert_close(output(list(states)), expected, atol=1e-6, rtol=1e-5)
 
 
 def test_unknown_fusion_function_is_refused_by_the_command_line(data_bin, tmp_path):

@@ -1,6 +1,7 @@
 """The slot model with every slot at its default is fairseq's transformer."""
 import pytest
 import torch
+from fairseq.models.transformer import TransformerEncoderBase
 
 from fairseq_helpers import PRE_NORM, assert_incremental_matches_full, build_model, random_batch, toy_dictionary
 from mlmha_fairseq.models import slots
@@ -242,3 +243,280 @@ def test_staged_layer_takes_fairseqs_prev_attention_states(norm):
         for key in expected:
             assert torch.equal(got[key], expected[key]), key
     assert not torch.allclose(outputs[1][0], unseeded[0], atol=1e-3)
+
+@pytest.mark.parametrize("norm", NORMALIZATION)
+@pytest.mark.parametrize("source_padding", [True, False], ids=["source-padding", "no-source-padding"])
+def test_staged_layer_equals_fairseq_decoder_layer_with_cross_self_attention(norm, source_padding):
+    """``--cross-self-attention``: the self-attention attends over [encoder output; prefix], its
+    future mask and key padding mask extended over the source positions (zeros where fairseq
+    has no source padding mask), as in fairseq's layer; incrementally the cached keys already
+    hold the source, and each step's output equals the full pass'."""
+    reference, ours = layer_pair(norm, cross_self_attention=True)
+    x, memory, padding = layer_inputs()
+    padding = padding if source_padding else None
+    future = torch.triu(torch.full((x.size(0), x.size(0)), float("-inf")), 1)
+    target_padding = torch.zeros(x.size(1), x.size(0), dtype=torch.bool)
+    target_padding[2, -1] = True
+    with torch.no_grad():
+        expected = reference(x, memory, padding, self_attn_mask=future,
+                             self_attn_padding_mask=target_padding, need_attn=True)
+        got = ours(x, memory, padding, self_attn_mask=future, self_attn_padding_mask=target_padding,
+                   need_attn=True)
+        states = {"reference": {}, "ours": {}}
+        for step in range(x.size(0)):
+            step_expected = reference(x[step:step + 1], memory, padding, states["reference"])
+            step_got = ours(x[step:step + 1], memory, padding, states["ours"])
+            assert torch.equal(step_got[0], step_expected[0]), f"step {step}"
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    plain, _ = layer_pair(norm)  # the same weights without --cross-self-attention
+    with torch.no_grad():
+        separate = plain(x, memory, padding, self_attn_mask=future, self_attn_padding_mask=target_padding)
+    assert ours.cross_self_attention and not torch.allclose(got[0], separate[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["checkpoint", "checkpoint-offload"])
+def test_layers_are_wrapped_for_activation_checkpointing_as_fairseqs(offload):
+    """``--checkpoint-activations`` (``--offload-activations``): every encoder and decoder
+    layer is wrapped as fairseq's ``build_*_layer`` wraps it (the layer's forward replaced by
+    fairseq's checkpointed forward, with the same offload flag), and the model still computes
+    fairseq's transformer."""
+    dictionary = toy_dictionary()
+    flags = ["--checkpoint-activations"] + (["--offload-activations"] if offload else [])
+    torch.manual_seed(0)
+    reference = build_model("transformer", *flags, dictionary=dictionary)
+    ours = build_model("slot_transformer", *flags, dictionary=dictionary)
+    ours.load_state_dict(reference.state_dict())
+    pairs = list(zip(ours.encoder.layers, reference.encoder.layers)) + list(
+        zip(ours.decoder.layers, reference.decoder.layers))
+    assert len(pairs) == 5
+    for layer, fairseqs in pairs:
+        assert hasattr(layer, "precheckpoint_forward")
+        assert layer.forward.func is fairseqs.forward.func
+        assert layer.forward.args[1] is fairseqs.forward.args[1] is offload
+    reference.train(), ours.train()  # checkpointing only applies with gradients
+    src, lengths, prev = random_batch(dictionary)
+    torch.manual_seed(1)
+    expected = reference(src, lengths, prev)[0]
+    torch.manual_seed(1)
+    got = ours(src, lengths, prev)[0]
+    torch.testing.assert_close(got, expected)
+
+
+def test_reordering_selects_the_memory_entries_of_the_new_batch_rows():
+    """``reorder_encoder_out``: fairseq's entries, plus every memory entry (here MLMHA's
+    taps, K x T x B x C, and a T x B x C entry: the batch is the second dimension from the
+    end) with its batch rows selected, equal to encoding the reordered batch, when the order
+    changes the batch size; an order of the same size (beam search moving hypotheses among
+    the beams of a sentence) keeps the memory entries as they are."""
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", "--decoder-cross-attention", "multi-layer",
+                        dictionary=dictionary).eval()
+    src, lengths, _ = random_batch(dictionary)
+    new_order = torch.tensor([2, 0, 0, 3, 1])
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=lengths)
+        top = encoder_out["encoder_out"][0]  # T x B x C
+        encoder_out["three_dims"] = [2 * top]
+        fairseqs_keys = set(TransformerEncoderBase.reorder_encoder_out(model.encoder, encoder_out, new_order))
+        reordered = model.encoder.reorder_encoder_out(encoder_out, new_order)
+        expected = model.encoder(src[new_order], src_lengths=lengths[new_order])
+        same_size = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([1, 0, 3, 2]))
+    assert set(reordered) == fairseqs_keys | {"mlmha_taps", "three_dims"} == set(same_size)
+    assert len(reordered["mlmha_taps"]) == 1
+    torch.testing.assert_close(reordered["mlmha_taps"][0], expected["mlmha_taps"][0])
+    torch.testing.assert_close(reordered["encoder_out"][0], expected["encoder_out"][0])
+    torch.testing.assert_close(reordered["three_dims"][0], 2 * expected["encoder_out"][0])
+    assert same_size["mlmha_taps"] is encoder_out["mlmha_taps"]
+    assert same_size["three_dims"] is encoder_out["three_dims"]
+
+
+@pytest.mark.parametrize("options", [{}, {"alignment_layer": 0, "alignment_heads": 1},
+                                     {"full_context_alignment": True}],
+                         ids=["defaults", "alignment-layer-and-heads", "full-context"])
+def test_decoder_features_take_fairseqs_alignment_arguments(options):
+    """``extract_features`` called directly (as alignment training and analysis tools do):
+    its defaults and its alignment arguments mean what they mean in fairseq's decoder (the
+    attention of layer ``alignment_layer`` averaged over its first ``alignment_heads`` heads;
+    no future mask with ``full_context_alignment``)."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    reference = build_model("transformer", dictionary=dictionary).eval()
+    ours = build_model("slot_transformer", dictionary=dictionary).eval()
+    ours.load_state_dict(reference.state_dict())
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        encoder_out = reference.encoder(src, src_lengths=lengths)
+        expected, expected_extra = reference.decoder.extract_features(prev, encoder_out, **options)
+        got, got_extra = ours.decoder.extract_features(prev, encoder_out, **options)
+        default, default_extra = reference.decoder.extract_features(prev, encoder_out)
+    assert torch.equal(got, expected) and torch.equal(got_extra["attn"][0], expected_extra["attn"][0])
+    if options:  # the arguments change the result
+        assert not (torch.equal(expected, default) and torch.equal(expected_extra["attn"][0], default_extra["attn"][0]))
+
+
+@pytest.mark.parametrize("norm", NORMALIZATION)
+def test_without_cross_attention_equals_fairseq_transformer(norm):
+    """``--no-cross-attention``: decoder layers without encoder-decoder attention, as fairseq's."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    reference = build_model("transformer", "--no-cross-attention", *NORMALIZATION[norm], dictionary=dictionary).eval()
+    ours = build_model("slot_transformer", "--no-cross-attention", *NORMALIZATION[norm], dictionary=dictionary).eval()
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    assert all(layer.encoder_attn is None for layer in ours.decoder.layers)
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        assert torch.equal(ours(src, lengths, prev)[0], reference(src, lengths, prev)[0])
+
+
+@pytest.mark.parametrize("return_all_hiddens", [None, False, True], ids=["default", "False", "True"])
+def test_encoder_with_memories_returns_layer_states_only_when_asked(return_all_hiddens):
+    """A filled memory slot makes the encoder collect every layer's output, but
+    ``encoder_states`` is returned only when the caller asks, as fairseq's encoder does:
+    then [embedding, layer 1..L], equal to fairseq's."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    reference = build_model("transformer", dictionary=dictionary).eval()
+    ours = build_model("slot_transformer", "--decoder-cross-attention", "multi-layer", dictionary=dictionary).eval()
+    missing, unexpected = ours.encoder.load_state_dict(reference.encoder.state_dict(), strict=False)
+    assert unexpected == [] and all(key.startswith("memories.") for key in missing)
+    src, lengths, _ = random_batch(dictionary)
+    asked = {} if return_all_hiddens is None else {"return_all_hiddens": return_all_hiddens}
+    with torch.no_grad():
+        expected = reference.encoder(src, src_lengths=lengths, **asked)
+        got = ours.encoder(src, src_lengths=lengths, **asked)
+    assert len(got["encoder_states"]) == len(expected["encoder_states"]) == (4 if return_all_hiddens else 0)
+    for state, expected_state in zip(got["encoder_states"], expected["encoder_states"]):
+        assert torch.equal(state, expected_state)
+    assert got["fc_results"] == expected["fc_results"] and "mlmha_taps" in got
+
+
+class TopLayer(torch.nn.Module):
+    """A decoder-output fusion that keeps the top layer of ``[embedding, layer 1..L]``."""
+
+    def forward(self, inner_states):
+        return inner_states[-1]
+
+
+@pytest.mark.parametrize("norm", NORMALIZATION)
+def test_fused_decoder_output_is_finished_as_fairseq_finishes_the_top_layer(norm):
+    """The decoder-output slot replaces the top layer's output only: the fused states then go
+    through fairseq's final LayerNorm (pre-norm), to B x T x C and through the projection to
+    ``--decoder-output-dim``. With a fusion that returns the top layer, the decoder is
+    fairseq's."""
+    dictionary = toy_dictionary()
+    sizes = ["--decoder-output-dim", "8", *NORMALIZATION[norm]]
+    torch.manual_seed(0)
+    reference = build_model("transformer", *sizes, dictionary=dictionary).eval()
+    ours = build_model("slot_transformer", *sizes, dictionary=dictionary).eval()
+    ours.load_state_dict(reference.state_dict())
+    assert ours.decoder.output_fusion is None and ours.decoder.project_out_dim is not None
+    ours.decoder.output_fusion = TopLayer()
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        expected, expected_extra = reference(src, lengths, prev, features_only=True)
+        got, got_extra = ours(src, lengths, prev, features_only=True)
+    assert got.shape == (4, 6, 8) and torch.equal(got, expected)
+    assert len(got_extra["inner_states"]) == len(expected_extra["inner_states"]) == 3
+
+
+def test_without_an_encoder_output_the_decoder_skips_cross_attention_whatever_it_attends_to():
+    """fairseq's decoder runs without an encoder output (``encoder_out=None``: every layer
+    skips its cross-attention); so does a decoder whose cross-attention attends to another
+    entry (MLMHA's taps): the result of the standard decoder with the same other weights."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    standard = build_model("slot_transformer", dictionary=dictionary).eval()
+    mlmha = build_model("slot_transformer", "--decoder-cross-attention", "multi-layer", dictionary=dictionary).eval()
+    assert mlmha.decoder.memory_key == "mlmha_taps"
+    shared = {k: v for k, v in standard.decoder.state_dict().items() if ".encoder_attn." not in k}
+    missing, unexpected = mlmha.decoder.load_state_dict(shared, strict=False)
+    assert unexpected == [] and all(".encoder_attn." in key for key in missing)
+    _, _, prev = random_batch(dictionary)
+    with torch.no_grad():
+        expected = standard.decoder(prev, encoder_out=None)[0]
+        got = mlmha.decoder(prev, encoder_out=None)[0]
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("layer_need_attn", [True, False], ids=["layer-default", "generation-fast"])
+def test_staged_layer_returns_attention_weights_when_fairseqs_layer_does(training, layer_need_attn):
+    """The cross-attention weights come back when the call asks (``need_attn``) or, at
+    inference, when the layer keeps its ``need_attn`` flag (fairseq's default, turned off by
+    ``make_generation_fast_``): as in fairseq's layer, in training and eval mode, with the
+    default call arguments too."""
+    reference, ours = layer_pair("post-norm")
+    x, memory, padding = layer_inputs()
+    for layer in (reference, ours):
+        layer.train(training)
+        layer.need_attn = layer_need_attn
+    for need_attn in (None, False, True):
+        kwargs = {} if need_attn is None else {"need_attn": need_attn}
+        with torch.no_grad():
+            torch.manual_seed(4)
+            expected = reference(x, memory, padding, **kwargs)
+            torch.manual_seed(4)
+            got = ours(x, memory, padding, **kwargs)
+        assert torch.equal(got[0], expected[0])
+        returned = bool(need_attn) or (not training and layer_need_attn)
+        assert (got[1] is None) == (expected[1] is None) == (not returned), kwargs
+        if returned:
+            assert torch.equal(got[1], expected[1])
+
+
+def test_per_layer_inputs_without_an_encoder_output_are_refused():
+    """Per-layer extras travel with the encoder output to the layers: without one (None or
+    an empty entry) the decoder refuses them with a clear message."""
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", dictionary=dictionary).eval()
+    src, lengths, prev = random_batch(dictionary)
+    extras = {"shift": torch.zeros(prev.size(1), prev.size(0), 16)}
+    encoder_out = model.encoder(src, src_lengths=lengths)
+    for empty in (None, {**encoder_out, "encoder_out": []}):
+        with pytest.raises(ValueError, match="^per-layer inputs of the decoder need an encoder output$"):
+            model.decoder.extract_features(prev, empty, layer_extras=extras)
+
+
+def test_encoder_takes_precomputed_token_embeddings_as_fairseqs():
+    """``token_embeddings`` given to the encoder replace the looked-up embeddings, as in
+    fairseq's encoder (here with a filled memory slot)."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    reference = build_model("transformer", dictionary=dictionary).eval()
+    ours = build_model("slot_transformer", "--decoder-cross-attention", "multi-layer", dictionary=dictionary).eval()
+    ours.encoder.load_state_dict(reference.encoder.state_dict(), strict=False)
+    src, lengths, _ = random_batch(dictionary)
+    embeddings = torch.randn(src.size(0), src.size(1), 16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference.encoder(src, src_lengths=lengths, token_embeddings=embeddings)["encoder_out"][0]
+        got = ours.encoder(src, src_lengths=lengths, token_embeddings=embeddings)["encoder_out"][0]
+        looked_up = ours.encoder(src, src_lengths=lengths)["encoder_out"][0]
+    assert torch.equal(got, expected) and not torch.allclose(got, looked_up, atol=1e-3)
+
+
+@pytest.mark.parametrize("norm", NORMALIZATION)
+def test_cross_self_attention_model_equals_fairseq_transformer(norm):
+    """``--cross-self-attention`` with the standard cross-attention: fairseq's transformer."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    reference = build_model("transformer", "--cross-self-attention", *NORMALIZATION[norm], dictionary=dictionary).eval()
+    ours = build_model("slot_transformer", "--cross-self-attention", *NORMALIZATION[norm], dictionary=dictionary).eval()
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        assert torch.equal(ours(src, lengths, prev)[0], reference(src, lengths, prev)[0])
+
+
+def test_cross_self_attention_with_another_cross_attention_is_refused():
+    with pytest.raises(ValueError, match="^--cross-self-attention needs the standard decoder cross-attention$"):
+        build_model("slot_transformer", "--decoder-cross-attention", "multi-layer", "--cross-self-attention")
+
+
+def test_decoder_layers_attending_to_different_encoder_outputs_are_refused():
+    """The decoder hands one encoder-output entry to all its layers: layers whose
+    cross-attentions name different entries cannot be served."""
+    model = build_model("slot_transformer", "--decoder-cross-attention", "multi-layer")
+    assert model.decoder._memory_key() == "mlmha_taps"
+    model.decoder.layers[0].encoder_attn.memory_key = "other"
+    with pytest.raises(ValueError, match=r"^decoder layers attend to different encoder outputs: \['mlmha_taps', 'other'\]$"):
+        model.decoder._memory_key()

@@ -81,7 +81,7 @@ def _has_aux_decoders(args) -> bool:
 
 def aux_layers(cfg) -> List[int]:
     """The encoder layers (1-based, ascending) that feed an auxiliary decoder, validated."""
-    spec = getattr(cfg, "aux_decoder_layers", NO_AUX)  # absent: a model without the option
+    spec = cfg.aux_decoder_layers  # parsed only for a model with the option (ms_transformer)
     if str(spec).strip().lower() == NO_AUX:
         return []
     if not str(spec).strip():
@@ -282,7 +282,7 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
             )
         x, extra = super().forward(prev_output_tokens, encoder_out, incremental_state,
                                    features_only, **kwargs)
-        aux_states = extra.pop(AUX_STATES, [])
+        aux_states = extra.pop(AUX_STATES)  # always set by extract_features below
         if incremental_state is None and not features_only:
             extra[AUX_OUT] = [(self.output_layer(features), aux_extra)
                               for features, aux_extra in aux_states]
