@@ -10,6 +10,7 @@ from mlmha_fairseq.modules.auxiliary_information_fusion import AuxiliaryInformat
 from mlmha_fairseq.modules.dual_contextual import DualContextual, LocalContextualUnit
 from mlmha_fairseq.modules.layer_aggregation import Aggregate
 from mlmha_fairseq.modules.multi_layer_attention import MultiLayerMultiheadAttention
+from mlmha_fairseq.modules.representation_fusion import FeedForward
 
 
 def test_aif_default_has_no_dropout_on_the_fused_vector():
@@ -142,6 +143,13 @@ def aggregate_activation_dropped():
     return module, lambda: module(inputs), expected
 
 
+def mlrf_hidden_dropped():
+    """MLRF's FNN (Wang et al. 2018, §4.2) with its hidden layer dropped: ``W_b 0 + b_b``."""
+    module = FeedForward(8, 12, 4, "relu", dropout=1.0).double()
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    return module, lambda: module(x), module.fc2.bias.detach().expand(5, 3, 4)
+
+
 def mlmha_attention_dropped():
     """MLMHA (Eqs. 8-12) with every attention weight dropped: contexts 0, out_proj has no
     bias, so the output is 0."""
@@ -158,6 +166,7 @@ def mlmha_attention_dropped():
     (aggregate_output_dropped, "Aggregate"),
     (aggregate_activation_dropped, "Aggregate"),
     (mlmha_attention_dropped, "MultiLayerMultiheadAttention"),
+    (mlrf_hidden_dropped, "FeedForward"),
 ])
 def test_dropout_is_retained_at_inference_for_the_modules_named_by_class(case, name):
     """``--retain-dropout-modules`` names modules by class: listing the module's class keeps
