@@ -505,6 +505,16 @@ def test_decode_from_passes_the_decoder_arguments_to_the_auxiliary_decoder():
     assert torch.equal(step, stack_step) and state.keys() == stack_state.keys() != set()
 
 
+def ms1_and_slot_model():
+    """MS-1 (no AIF) and the slot Transformer with MS-1's weights less its auxiliary decoder:
+    the same Main-Decoder, both in eval mode."""
+    dictionary = toy_dictionary()
+    model = build_model("ms_transformer", *ms("1"), dictionary=dictionary).eval()
+    slot = build_model("slot_transformer", dictionary=dictionary).eval()
+    slot.load_state_dict({k: v for k, v in model.state_dict().items() if ".aux_decoders." not in k})
+    return dictionary, model, slot
+
+
 @pytest.mark.parametrize("options", [{}, {"alignment_layer": 0, "alignment_heads": 1},
                                      {"full_context_alignment": True}],
                          ids=["defaults", "alignment-layer-and-heads", "full-context"])
@@ -512,10 +522,7 @@ def test_main_decoder_features_take_fairseqs_alignment_arguments(options):
     """The Main-Decoder's ``extract_features`` called directly (without AIF the auxiliary
     decoders do not change it): the slot Transformer's with the same weights, for the default
     and the given alignment arguments."""
-    dictionary = toy_dictionary()
-    model = build_model("ms_transformer", *ms("1"), dictionary=dictionary).eval()
-    slot = build_model("slot_transformer", dictionary=dictionary).eval()
-    slot.load_state_dict({k: v for k, v in model.state_dict().items() if ".aux_decoders." not in k})
+    dictionary, model, slot = ms1_and_slot_model()
     src, lengths, prev = random_batch(dictionary)
     with torch.no_grad():
         encoder_out = model.encoder(src, src_lengths=lengths)
@@ -532,10 +539,7 @@ def test_main_decoder_forward_takes_fairseqs_decoder_arguments():
     Main-Decoder's features (the slot Transformer's with the same weights, without AIF) and
     no auxiliary logits; ``alignment_layer``/``alignment_heads`` reach the Main-Decoder's
     layers."""
-    dictionary = toy_dictionary()
-    model = build_model("ms_transformer", *ms("1"), dictionary=dictionary).eval()
-    slot = build_model("slot_transformer", dictionary=dictionary).eval()
-    slot.load_state_dict({k: v for k, v in model.state_dict().items() if ".aux_decoders." not in k})
+    dictionary, model, slot = ms1_and_slot_model()
     src, lengths, prev = random_batch(dictionary)
     with torch.no_grad():
         features, extra = model(src, lengths, prev, features_only=True)

@@ -13,6 +13,17 @@ NORMALIZATION = {
 }
 
 
+def fairseq_and_slot_model(*options):
+    """fairseq's transformer and the slot model given the same options, the slot model with
+    the transformer's weights, both in eval mode."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    reference = build_model("transformer", *options, dictionary=dictionary).eval()
+    ours = build_model("slot_transformer", *options, dictionary=dictionary).eval()
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    return dictionary, reference, ours
+
+
 @pytest.mark.parametrize("norm", NORMALIZATION)
 @pytest.mark.parametrize("left_pad", [True, False])
 def test_equals_fairseq_transformer_with_its_weights(norm, left_pad):
@@ -338,11 +349,7 @@ def test_decoder_features_take_fairseqs_alignment_arguments(options):
     its defaults and its alignment arguments mean what they mean in fairseq's decoder (the
     attention of layer ``alignment_layer`` averaged over its first ``alignment_heads`` heads;
     no future mask with ``full_context_alignment``)."""
-    dictionary = toy_dictionary()
-    torch.manual_seed(0)
-    reference = build_model("transformer", dictionary=dictionary).eval()
-    ours = build_model("slot_transformer", dictionary=dictionary).eval()
-    ours.load_state_dict(reference.state_dict())
+    dictionary, reference, ours = fairseq_and_slot_model()
     src, lengths, prev = random_batch(dictionary)
     with torch.no_grad():
         encoder_out = reference.encoder(src, src_lengths=lengths)
@@ -357,11 +364,7 @@ def test_decoder_features_take_fairseqs_alignment_arguments(options):
 @pytest.mark.parametrize("norm", NORMALIZATION)
 def test_without_cross_attention_equals_fairseq_transformer(norm):
     """``--no-cross-attention``: decoder layers without encoder-decoder attention, as fairseq's."""
-    dictionary = toy_dictionary()
-    torch.manual_seed(0)
-    reference = build_model("transformer", "--no-cross-attention", *NORMALIZATION[norm], dictionary=dictionary).eval()
-    ours = build_model("slot_transformer", "--no-cross-attention", *NORMALIZATION[norm], dictionary=dictionary).eval()
-    ours.load_state_dict(reference.state_dict(), strict=True)
+    dictionary, reference, ours = fairseq_and_slot_model("--no-cross-attention", *NORMALIZATION[norm])
     assert all(layer.encoder_attn is None for layer in ours.decoder.layers)
     src, lengths, prev = random_batch(dictionary)
     with torch.no_grad():
@@ -403,12 +406,8 @@ def test_fused_decoder_output_is_finished_as_fairseq_finishes_the_top_layer(norm
     through fairseq's final LayerNorm (pre-norm), to B x T x C and through the projection to
     ``--decoder-output-dim``. With a fusion that returns the top layer, the decoder is
     fairseq's."""
-    dictionary = toy_dictionary()
     sizes = ["--decoder-output-dim", "8", *NORMALIZATION[norm]]
-    torch.manual_seed(0)
-    reference = build_model("transformer", *sizes, dictionary=dictionary).eval()
-    ours = build_model("slot_transformer", *sizes, dictionary=dictionary).eval()
-    ours.load_state_dict(reference.state_dict())
+    dictionary, reference, ours = fairseq_and_slot_model(*sizes)
     assert ours.decoder.output_fusion is None and ours.decoder.project_out_dim is not None
     ours.decoder.output_fusion = TopLayer()
     src, lengths, prev = random_batch(dictionary)
@@ -497,11 +496,7 @@ def test_encoder_takes_precomputed_token_embeddings_as_fairseqs():
 @pytest.mark.parametrize("norm", NORMALIZATION)
 def test_cross_self_attention_model_equals_fairseq_transformer(norm):
     """``--cross-self-attention`` with the standard cross-attention: fairseq's transformer."""
-    dictionary = toy_dictionary()
-    torch.manual_seed(0)
-    reference = build_model("transformer", "--cross-self-attention", *NORMALIZATION[norm], dictionary=dictionary).eval()
-    ours = build_model("slot_transformer", "--cross-self-attention", *NORMALIZATION[norm], dictionary=dictionary).eval()
-    ours.load_state_dict(reference.state_dict(), strict=True)
+    dictionary, reference, ours = fairseq_and_slot_model("--cross-self-attention", *NORMALIZATION[norm])
     src, lengths, prev = random_batch(dictionary)
     with torch.no_grad():
         assert torch.equal(ours(src, lengths, prev)[0], reference(src, lengths, prev)[0])
