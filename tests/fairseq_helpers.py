@@ -178,6 +178,25 @@ def full_logits(model, src, lengths, prev):
     return model.decoder(prev, encoder_out=encoder_out)[0]
 
 
+# fairseq's alignment arguments of a decoder's ``extract_features``
+ALIGNMENT_OPTIONS = pytest.mark.parametrize(
+    "options", [{}, {"alignment_layer": 0, "alignment_heads": 1}, {"full_context_alignment": True}],
+    ids=["defaults", "alignment-layer-and-heads", "full-context"])
+
+
+def assert_features_match_with_alignment_options(reference, decoder, prev, encoder_out, options):
+    """``decoder.extract_features(prev, encoder_out, **options)`` equals ``reference``'s (the
+    features and the returned attention), and the given arguments change ``reference``'s result,
+    so that a decoder ignoring them would fail."""
+    with torch.no_grad():
+        expected, expected_extra = reference.extract_features(prev, encoder_out, **options)
+        got, got_extra = decoder.extract_features(prev, encoder_out, **options)
+        default, default_extra = reference.extract_features(prev, encoder_out)
+    assert torch.equal(got, expected) and torch.equal(got_extra["attn"][0], expected_extra["attn"][0])
+    if options:
+        assert not (torch.equal(expected, default) and torch.equal(expected_extra["attn"][0], default_extra["attn"][0]))
+
+
 def assert_incremental_matches_full(model, dictionary, new_order=(2, 0, 0, 3, 1), reorder_step=2, atol=1e-5, rtol=1e-5):
     """Step-by-step decoding with fairseq's incremental state equals the teacher-forced
     forward pass, also after a beam-search-like reordering of the batch (rows repeated,

@@ -14,7 +14,9 @@ from fairseq.logging import metrics
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_helpers import (
+    ALIGNMENT_OPTIONS,
     NORMS,
+    assert_features_match_with_alignment_options,
     assert_beam_search_scores_match_full,
     assert_incremental_matches_full,
     build_model,
@@ -515,9 +517,7 @@ def ms1_and_slot_model():
     return dictionary, model, slot
 
 
-@pytest.mark.parametrize("options", [{}, {"alignment_layer": 0, "alignment_heads": 1},
-                                     {"full_context_alignment": True}],
-                         ids=["defaults", "alignment-layer-and-heads", "full-context"])
+@ALIGNMENT_OPTIONS
 def test_main_decoder_features_take_fairseqs_alignment_arguments(options):
     """The Main-Decoder's ``extract_features`` called directly (without AIF the auxiliary
     decoders do not change it): the slot Transformer's with the same weights, for the default
@@ -526,12 +526,7 @@ def test_main_decoder_features_take_fairseqs_alignment_arguments(options):
     src, lengths, prev = random_batch(dictionary)
     with torch.no_grad():
         encoder_out = model.encoder(src, src_lengths=lengths)
-        expected, expected_extra = slot.decoder.extract_features(prev, encoder_out, **options)
-        got, got_extra = model.decoder.extract_features(prev, encoder_out, **options)
-        default = slot.decoder.extract_features(prev, encoder_out)
-    assert torch.equal(got, expected) and torch.equal(got_extra["attn"][0], expected_extra["attn"][0])
-    if options:  # the arguments change the result
-        assert not (torch.equal(expected, default[0]) and torch.equal(expected_extra["attn"][0], default[1]["attn"][0]))
+    assert_features_match_with_alignment_options(slot.decoder, model.decoder, prev, encoder_out, options)
 
 
 def test_main_decoder_forward_takes_fairseqs_decoder_arguments():

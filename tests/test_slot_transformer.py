@@ -3,7 +3,15 @@ import pytest
 import torch
 from fairseq.models.transformer import TransformerEncoderBase
 
-from fairseq_helpers import PRE_NORM, assert_incremental_matches_full, build_model, random_batch, toy_dictionary
+from fairseq_helpers import (
+    ALIGNMENT_OPTIONS,
+    PRE_NORM,
+    assert_features_match_with_alignment_options,
+    assert_incremental_matches_full,
+    build_model,
+    random_batch,
+    toy_dictionary,
+)
 from mlmha_fairseq.models import slots
 from mlmha_fairseq.models.slot_transformer import SlotTransformerModel
 
@@ -341,9 +349,7 @@ def test_reordering_selects_the_memory_entries_of_the_new_batch_rows():
     assert same_size["three_dims"] is encoder_out["three_dims"]
 
 
-@pytest.mark.parametrize("options", [{}, {"alignment_layer": 0, "alignment_heads": 1},
-                                     {"full_context_alignment": True}],
-                         ids=["defaults", "alignment-layer-and-heads", "full-context"])
+@ALIGNMENT_OPTIONS
 def test_decoder_features_take_fairseqs_alignment_arguments(options):
     """``extract_features`` called directly (as alignment training and analysis tools do):
     its defaults and its alignment arguments mean what they mean in fairseq's decoder (the
@@ -353,12 +359,7 @@ def test_decoder_features_take_fairseqs_alignment_arguments(options):
     src, lengths, prev = random_batch(dictionary)
     with torch.no_grad():
         encoder_out = reference.encoder(src, src_lengths=lengths)
-        expected, expected_extra = reference.decoder.extract_features(prev, encoder_out, **options)
-        got, got_extra = ours.decoder.extract_features(prev, encoder_out, **options)
-        default, default_extra = reference.decoder.extract_features(prev, encoder_out)
-    assert torch.equal(got, expected) and torch.equal(got_extra["attn"][0], expected_extra["attn"][0])
-    if options:  # the arguments change the result
-        assert not (torch.equal(expected, default) and torch.equal(expected_extra["attn"][0], default_extra["attn"][0]))
+    assert_features_match_with_alignment_options(reference.decoder, ours.decoder, prev, encoder_out, options)
 
 
 @pytest.mark.parametrize("norm", NORMALIZATION)
