@@ -516,3 +516,18 @@ def test_decoder_layers_attending_to_different_encoder_outputs_are_refused():
     model.decoder.layers[0].encoder_attn.memory_key = "other"
     with pytest.raises(ValueError, match=r"^decoder layers attend to different encoder outputs: \['mlmha_taps', 'other'\]$"):
         model.decoder._memory_key()
+
+
+def test_encoder_and_decoder_take_fairseqs_constructor_arguments_and_defaults():
+    """Code that builds the slot model's stacks itself (as fairseq's ``build_encoder`` /
+    ``build_decoder`` are public) gets fairseq's defaults: a decoder with cross-attention, and
+    the dictionaries and output projection it passes."""
+    dictionary, reference, ours = fairseq_and_slot_model()
+    assert ours.encoder.dictionary is reference.encoder.dictionary is dictionary
+    decoder_class = type(ours.decoder)
+    default = decoder_class(ours.cfg, dictionary, ours.decoder.embed_tokens)
+    assert all(layer.encoder_attn is not None for layer in default.layers)
+    assert default.build_decoder_layer(ours.cfg).encoder_attn is not None
+    projection = torch.nn.Linear(ours.cfg.decoder.embed_dim, len(dictionary), bias=False)
+    given = decoder_class(ours.cfg, dictionary, ours.decoder.embed_tokens, output_projection=projection)
+    assert given.output_projection is projection
