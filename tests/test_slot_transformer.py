@@ -1,4 +1,7 @@
 """The slot model with every slot at its default is fairseq's transformer."""
+import sys
+import types
+
 import pytest
 import torch
 from fairseq.models.transformer import TransformerEncoderBase
@@ -531,3 +534,42 @@ def test_encoder_and_decoder_take_fairseqs_constructor_arguments_and_defaults():
     projection = torch.nn.Linear(ours.cfg.decoder.embed_dim, len(dictionary), bias=False)
     given = decoder_class(ours.cfg, dictionary, ours.decoder.embed_tokens, output_projection=projection)
     assert given.output_projection is projection
+
+
+@pytest.mark.parametrize("flags", [[], ["--min-params-to-wrap", "0"], ["--checkpoint-activations"]],
+                         ids=["default", "wrap-all", "checkpoint"])
+def test_layers_are_offered_to_fsdp_with_fairseqs_thresholds(flags, monkeypatch):
+    """With fairscale present (``--ddp-backend fully_sharded``), fairseq's ``fsdp_wrap``
+    hands a layer to ``fairscale.nn.wrap`` only above ``--min-params-to-wrap`` (always when
+    checkpointing activations). fairscale is not a dependency, so a stand-in records the
+    layers it is offered: the slot model must offer the ones fairseq's transformer does."""
+    offered = []
+    fairscale_nn = types.ModuleType("fairscale.nn")
+    fairscale_nn.wrap = lambda module, **kwargs: offered.append(module) or module
+    monkeypatch.setitem(sys.modules, "fairscale", types.ModuleType("fairscale"))
+    monkeypatch.setitem(sys.modules, "fairscale.nn", fairscale_nn)
+    counts = []
+    for arch in ("transformer", "slot_transformer"):
+        offered.clear()
+        build_model(arch, *flags)
+        counts.append(len(offered))
+    assert counts[0] == counts[1]
+    assert counts[0] == (0 if flags == [] else 5)  # 3 + 2 tiny layers, under fairseq's 1e8
+
+
+def test_encoder_returns_fairseqs_feed_forward_results_when_asked():
+    """``return_fc`` (fairseq's encoder argument, used by models that read the FFN outputs):
+    off by default for the stack and each layer, and when asked the encoder returns
+    fairseq's ``fc_results``."""
+    dictionary, reference, ours = fairseq_and_slot_model()
+    cfg = ours.cfg
+    assert not type(ours.encoder.layers[0])(cfg, 0).return_fc
+    src, lengths, _ = random_batch(dictionary)
+    results = []
+    for model, encoder_class in ((reference, TransformerEncoderBase), (ours, type(ours.encoder))):
+        encoder = encoder_class(cfg, dictionary, model.encoder.embed_tokens, return_fc=True).eval()
+        encoder.load_state_dict(model.encoder.state_dict())
+        results.append(encoder(src, lengths, return_all_hiddens=True)["fc_results"])
+    assert len(results[1]) == cfg.encoder.layers and all(r is not None for r in results[1])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
