@@ -573,3 +573,16 @@ def test_encoder_returns_fairseqs_feed_forward_results_when_asked():
     assert len(results[1]) == cfg.encoder.layers and all(r is not None for r in results[1])
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected)
+
+
+def test_decoder_self_attention_builder_keeps_fairseqs_signature():
+    """``build_self_attention`` is fairseq's public builder: its ``add_bias_kv`` and
+    ``add_zero_attn`` (off by default) reach fairseq's attention when no mechanism claims the
+    slot."""
+    _, _, ours = fairseq_and_slot_model()
+    layer, dim = ours.decoder.layers[0], ours.cfg.decoder.embed_dim
+    default = layer.build_self_attention(dim, ours.cfg)
+    assert default.bias_k is None and not default.add_zero_attn
+    asked = layer.build_self_attention(dim, ours.cfg, add_bias_kv=True, add_zero_attn=True)
+    assert asked.bias_k is not None and asked.add_zero_attn
+
