@@ -1,7 +1,6 @@
 """The experiment runner end to end on the tiny Bible: a 2-system x 2-seed grid completes and
 its failing run is reported, a rerun skips every finished run, a stopped run resumes."""
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -28,7 +27,7 @@ dir = "{corpus}"
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """Built before the tests' logs are captured (the corpus builder configures logging)."""
+    """Built once, before any test reads the runner's log (the corpus builder reconfigures logging)."""
     return tiny_corpus(tmp_path_factory.mktemp("tiny"), "fr")
 
 
@@ -36,15 +35,15 @@ def commands(work):
     return (work / "commands.log").read_text().splitlines()
 
 
-def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, caplog, corpus):
+def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, capsys, corpus):
     work, config = tmp_path / "work", tmp_path / "grid.toml"
     config.write_text(GRID.format(work=work, corpus=corpus))
     test_sentences = len(open(os.path.join(corpus, "text", "test.raw.en")).read().splitlines())
     arguments = [str(config), "--ar-trials", "50", "--bootstrap-samples", "20"]
-    caplog.set_level(logging.INFO)
 
     assert experiment.main(arguments) == 1  # the broken system fails, the others complete
-    assert "broken (seed 1) FAILED" in caplog.text and "2 run(s) failed" in caplog.text
+    log = capsys.readouterr().err  # the runner's own log handler, as a user sees it
+    assert "broken (seed 1) FAILED" in log and "2 run(s) failed" in log
     results = json.loads((work / "results.json").read_text())
     assert [(row["name"], row["seeds"]) for row in results["systems"]] == [
         ("Transformer (fairseq)", [1, 2]), ("MLMHA M-00", [1, 2])]
@@ -59,9 +58,8 @@ def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, ca
     assert sum("fairseq_cli.train" in line for line in first) == 6  # 4 runs and 2 failed attempts
     assert sum("fairseq_cli.generate" in line for line in first) == 4
 
-    caplog.clear()
     assert experiment.main(arguments) == 1
-    assert caplog.text.count("finished earlier, skipped") == 4
+    assert capsys.readouterr().err.count("finished earlier, skipped") == 4
     again = commands(work)[len(first):]
     assert len(again) == 2 and all("--no-such-option" in line for line in again)  # only the failed runs
 
@@ -95,6 +93,21 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
 
 def _text(path):
     return path.read_text() if path.exists() else ""
+
+
+def test_report_only_before_any_baseline_run_fails_in_the_runners_own_log_format(tmp_path, corpus):
+    """Run as a user runs it: importing fairseq sets the root logger to DEBUG, which must not
+    override the runner's format and level; and asking for a table that cannot be written is an
+    error, not exit status 0."""
+    config = tmp_path / "grid.toml"
+    config.write_text(f'work_dir = "{tmp_path / "work"}"\nsystems = ["transformer"]\n[corpus]\ndir = "{corpus}"\n')
+    result = subprocess.run([sys.executable, "-m", "mlmha_fairseq.cli.experiment", str(config), "--report-only"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "no finished run of the baseline Transformer (fairseq): no table" in result.stderr
+    lines = result.stderr.splitlines()
+    assert lines and all(line.startswith("[experiment ") for line in lines), result.stderr
+    assert not (tmp_path / "work" / "results.json").exists()
 
 
 def test_a_truncated_last_checkpoint_is_replaced_by_the_newest_update_checkpoint(tmp_path):

@@ -5,8 +5,9 @@ replicates, sacreBLEU's paired bootstrap per seed) as Markdown, LaTeX, JSON and 
 
 Resumable: a run whose scores are written is skipped; a run that was stopped resumes from
 its ``checkpoint_last.pt`` (fairseq-train's own restore); a run that fails is reported and the
-others go on (exit status 1 at the end). Every command is printed with its log file and
-appended to ``<work_dir>/commands.log``.
+others go on (exit status 1 at the end, as when no run of the baseline has finished and so no
+table is written). Every command is printed with its log file and appended to
+``<work_dir>/commands.log``.
 
 Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir DIR]``;
 ``examples/experiment/demo.toml`` is the quick demo's grid with 3 seeds. Config keys::
@@ -521,7 +522,10 @@ def main(argv=None) -> int:
     from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 
     args = parse_args(argv)
-    logging.basicConfig(format="[experiment %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    # force: importing fairseq (its wav2vec2_classification module) already called
+    # logging.basicConfig(level=DEBUG), which would keep its format and let matplotlib's DEBUG through
+    logging.basicConfig(format="[experiment %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO,
+                        force=True)
     try:
         experiment = load_config(args.config)
         if args.seeds is not None:
@@ -539,7 +543,8 @@ def main(argv=None) -> int:
                 len(grid.runs), settings.budget, work_dir)
     failures = [] if args.report_only else grid.execute(references)
     systems = grid.hypotheses()
-    if systems and systems[0][0] == experiment.baseline:
+    tabled = bool(systems) and systems[0][0] == experiment.baseline
+    if tabled:
         report = build_report(systems, [references],
                               ReplicateOptions(args.bootstrap_samples, args.ar_trials))
         table = write_report(report, os.path.join(work_dir, "results"), settings.budget,
@@ -550,7 +555,7 @@ def main(argv=None) -> int:
         logger.error("no finished run of the baseline %s: no table", experiment.baseline)
     report_failures(failures)
     logger.info("finished in %s", minutes(time.time() - grid.start))
-    return 1 if failures else 0
+    return 0 if tabled and not failures else 1
 
 
 if __name__ == "__main__":
