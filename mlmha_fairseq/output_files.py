@@ -52,3 +52,36 @@ def refuse_overwriting_inputs(output: str, inputs: Iterable[str], what: str = "t
         if os.path.exists(path) and os.path.samefile(output, path):
             raise UsageError(f"{what} {output} is also an input of this command; "
                              "write to another file")
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def exclusive_folder(directory: str, what: str) -> Iterator[None]:
+    """Hold ``directory`` for this process: a second holder (another runner on the same work
+    directory, or on one run folder with parallel or cluster runs) is refused with one line
+    naming the holder. ``flock`` is released by the kernel when its holder dies, even by
+    SIGKILL, so a killed runner never leaves a stale lock; it is advisory and holds across
+    processes of one machine (and on NFS mounts that support it)."""
+    import fcntl
+    import socket
+    import time
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK_FILE)
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise UsageError(f"{what} {directory} is in use by {holder}; wait for it to finish or stop it") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()

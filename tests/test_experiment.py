@@ -3,6 +3,7 @@ its failing run is reported, a rerun skips every finished run, a stopped run res
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from mlmha_fairseq.cli import experiment
+from mlmha_fairseq.output_files import exclusive_folder
 from test_demo import tiny_corpus
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "experiment")
@@ -70,7 +72,20 @@ def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, ca
         "Transformer (fairseq)", "MLMHA M-00"]
 
 
-def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
+def _processes_mentioning(text: str):
+    """PIDs of live processes whose command line contains ``text``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if text.encode() in handle.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_killed_runner_takes_its_training_with_it_and_a_rerun_resumes_within_the_budget(tmp_path, corpus):
     work, config = tmp_path / "work", tmp_path / "grid.toml"
     config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 30\nbeam = 1\n'
                       f'save_interval_updates = 1\n[corpus]\ndir = "{corpus}"\n')
@@ -81,14 +96,97 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
     while "Saved checkpoint" not in _text(run_dir / "logs" / "train.log"):
         assert process.poll() is None and time.time() < deadline, "training never saved a checkpoint"
         time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGKILL)  # the runner and its fairseq-train, mid-training
+    assert _processes_mentioning(str(run_dir / "checkpoints"))  # its fairseq-train
+    os.kill(process.pid, signal.SIGKILL)  # the runner alone, mid-training
     process.wait()
+    deadline = time.time() + 30
+    while _processes_mentioning(str(run_dir / "checkpoints")):
+        assert time.time() < deadline, "fairseq-train outlived the runner that started it"
+        time.sleep(0.2)
     assert not (run_dir / "scores.json").exists()
 
-    assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    arguments = [str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]
+    assert experiment.main(arguments) == 0
     assert "Loaded checkpoint" in _text(run_dir / "logs" / "train.log")  # the second attempt's
     assert experiment.last_update(str(run_dir / "logs" / "train.log")) == 30
     assert (run_dir / "scores.json").exists()
+
+    # stopped after training, before it was recorded: the checkpoint holds the budget already
+    trainings = sum("fairseq_cli.train" in line for line in commands(work))
+    (run_dir / "train.done").unlink()
+    (run_dir / "scores.json").unlink()
+    assert experiment.main(arguments) == 0
+    assert sum("fairseq_cli.train" in line for line in commands(work)) == trainings
+    assert experiment.last_update(str(run_dir / "logs" / "train.log")) == 30
+
+
+def test_a_work_directory_in_use_is_refused_naming_its_holder(tmp_path, corpus, capsys):
+    work, config = tmp_path / "work", tmp_path / "grid.toml"
+    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\n[corpus]\ndir = "{corpus}"\n')
+    with exclusive_folder(str(work), "work directory"):
+        assert experiment.main([str(config)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"experiment: error: work directory {work} is in use by pid {os.getpid()} on "
+                    f"{socket.gethostname()} since " + line.split(" since ")[-1].split(";")[0]
+                    + "; wait for it to finish or stop it")
+    assert not (work / "commands.log").exists()
+
+
+def test_a_run_folder_in_use_fails_that_run_alone(tmp_path, corpus):
+    run = experiment.Run(experiment.lookup("transformer"), 1, str(tmp_path / "run"))
+    grid = experiment.Grid([run.system], [1], experiment.Settings("no-data-bin", "en", 1), str(tmp_path))
+    grid.runs = [run]
+    with exclusive_folder(run.directory, "run folder"):
+        failures = grid.execute([])
+    assert [(failed, message.split(" is in use by ")[0]) for failed, message in failures] == [
+        (run, f"run folder {run.directory}")]
+
+
+BAD_CONFIGS = {
+    'max_update = "twenty"': "max_update must be a positive integer, got 'twenty'",
+    "max_update = 0": "max_update must be a positive integer, got 0",
+    "work_dir = 5": "work_dir must be a folder name, got 5",
+    'systems = "transformer"': "systems must be a list of systems, got 'transformer'",
+    'model_args = "--dropout 0.1"': "model_args must be a list of command-line words, got '--dropout 0.1'",
+    "seeds = [true]": "seeds must be a positive count or a list of distinct positive integers, got [True]",
+    "seeds = [1, 1]": "seeds must be a positive count or a list of distinct positive integers, got [1, 1]",
+    "max_tokens = 100\nbatch_size = 10": "give max_tokens or batch_size, not both",
+    'systems = ["transformer", "transformer"]': "system(s) ['Transformer (fairseq)'] listed more than once",
+    'systems = [{ name = "x", arch = "transformer", argz = [] }]': "system 'x': unknown key(s) ['argz']",
+    'systems = [{ name = "x", arch = "transformer", base = "transformer" }]': "either base or arch",
+    "[corpus]\ndirr = 'x'": "[corpus]: unknown key(s) ['dirr']",
+}
+
+
+@pytest.mark.parametrize("text", sorted(BAD_CONFIGS))
+def test_a_bad_config_is_refused_in_one_line_before_anything_runs(tmp_path, capsys, text):
+    """``text``: top-level keys, or a [corpus] table; the rest is a valid config."""
+    top, _, corpus = text.partition("[corpus]")
+    config = tmp_path / "grid.toml"
+    config.write_text("\n".join([
+        top if "work_dir" in top else f'work_dir = "{tmp_path / "work"}"\n{top}',
+        "" if "systems" in top else 'systems = ["transformer"]',
+        "[corpus]", corpus or "dir = 'corpus'"]) + "\n")
+    assert experiment.main([str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("experiment: error: ") and BAD_CONFIGS[text] in err[0], err
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("option", ["--max-update", "--seeds"])
+def test_a_count_of_zero_on_the_command_line_is_refused(tmp_path, capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        experiment.main([str(tmp_path / "grid.toml"), option, "0"])
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_a_work_directory_that_is_a_file_is_refused(tmp_path, corpus, capsys):
+    (tmp_path / "work").write_text("")
+    config = tmp_path / "grid.toml"
+    config.write_text(f'work_dir = "{tmp_path / "work"}"\nsystems = ["transformer"]\n[corpus]\ndir = "{corpus}"\n')
+    assert experiment.main([str(config)]) == 2
+    assert f"work directory {tmp_path / 'work'} exists and is not a folder" in capsys.readouterr().err
 
 
 def _text(path):

@@ -156,3 +156,15 @@ def add_sentence_selection(parser: argparse.ArgumentParser, default_seed: int, s
     parser.add_argument("--seed", type=int, default=default_seed,
                         help="sampling seed (default: %(default)s)")
 
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts that must be at least 1 (updates, seeds): 0 would
+    otherwise read as "not given" and silently mean the default."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,12 +52,14 @@ from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.cli.systems import System, lookup
 from mlmha_fairseq.corpus.builder import MANIFEST
 from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.output_files import exclusive_folder
 from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
 from mlmha_fairseq.evaluation.text_io import read_lines, write_text
 
 logger = logging.getLogger("mlmha_fairseq.experiment")
 USER_DIR = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
 POLL_SECONDS = 20
+UPDATE_CHECKPOINT = r"checkpoint_\d+_(\d+)\.pt"  # fairseq's name of the checkpoint after update N
 
 # the demo's model: d=128, 3+3 layers
 MODEL = [
@@ -89,11 +92,24 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
+def _end_with_parent() -> None:
+    """In the child, before exec: ask Linux to send SIGTERM when the runner's thread that
+    started it dies, even by SIGKILL, so that no fairseq-train outlives the runner and keeps
+    writing into a run folder that a rerun trains again. Other systems have no such request;
+    there a killed runner's children must be stopped by hand."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def run_command(command: List[str], log_path: str, work_dir: str,
                 on_poll: Optional[Callable[[], None]] = None) -> None:
     """Run ``command`` with its output into ``log_path``, print and record it in
     ``<work_dir>/commands.log``; ``on_poll`` is called every POLL_SECONDS while it runs.
-    Raises :class:`RunFailed` with the log's tail when it fails."""
+    Raises :class:`RunFailed` when it fails: the first line says which tool failed and the
+    last line of its log (e.g. fairseq's one-line error), then the command and the log's tail."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     line = " ".join(command)
     logger.info("$ %s\n  (log: %s)", line, log_path)
@@ -101,7 +117,7 @@ def run_command(command: List[str], log_path: str, work_dir: str,
         record.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} > {log_path}\n")
     start = time.time()
     with open(log_path, "a") as log:  # a resumed run adds to its log
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent)
         while True:
             try:
                 returncode = process.wait(timeout=POLL_SECONDS)
@@ -110,9 +126,11 @@ def run_command(command: List[str], log_path: str, work_dir: str,
                 if on_poll:
                     on_poll()
     if returncode != 0:
-        with open(log_path) as log:
+        with open(log_path, errors="replace") as log:
             tail = log.read()[-2000:]
-        raise RunFailed(f"failed ({returncode}): {line}\n{tail}\n(full log: {log_path})")
+        last = (tail.strip().splitlines() or ["(empty log)"])[-1]
+        tool = command[2] if command[1:2] == ["-m"] else command[0]
+        raise RunFailed(f"{tool} failed ({returncode}): {last}\n$ {line}\n{tail}\n(full log: {log_path})")
     logger.info("  done in %.0f s", time.time() - start)
 
 
@@ -213,32 +231,50 @@ def last_update(log_path: str) -> int:
     return int(found[-1]) if found else 0
 
 
-def usable_last_checkpoint(run: Run) -> None:
-    """Before a resume: fairseq writes each update checkpoint through a temporary file, but
-    copies it to ``checkpoint_last.pt`` in place, so a run stopped during that copy leaves a
-    truncated file; it is replaced by the newest update checkpoint."""
+def usable_last_checkpoint(run: Run) -> int:
+    """Before a resume: the number of updates ``checkpoint_last.pt`` holds (0: none).
+
+    fairseq writes each update checkpoint through a temporary file, but copies it to
+    ``checkpoint_last.pt`` in place, so a run stopped during that copy leaves a truncated file;
+    a checkpoint that safe loading refuses (:mod:`mlmha_fairseq.compat`) must not be trained
+    from either. Such a file is moved aside (``.unsafe`` or ``.unreadable``, kept as evidence)
+    and replaced by the newest update checkpoint that loads, if any."""
     from fairseq.checkpoint_utils import checkpoint_paths, load_checkpoint_to_cpu
+
+    from mlmha_fairseq.compat import UnsafeCheckpointError
 
     last = os.path.join(run.checkpoints, "checkpoint_last.pt")
     if not os.path.isfile(last):
-        return
+        return 0
     try:
-        load_checkpoint_to_cpu(last)
+        state = load_checkpoint_to_cpu(last)
     except Exception as error:  # any unreadable file: torch raises several kinds
-        newest = checkpoint_paths(run.checkpoints, r"checkpoint_\d+_(\d+)\.pt")
-        logger.warning("  %s is unreadable (%s); resuming from %s", last, type(error).__name__,
-                       newest[0] if newest else "scratch")
-        os.remove(last)
-        if newest:
-            shutil.copyfile(newest[0], last + ".tmp")
-            os.replace(last + ".tmp", last)
+        kind = "unsafe" if isinstance(error, UnsafeCheckpointError) else "unreadable"
+        os.replace(last, f"{last}.{kind}")
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        logger.warning("  %s is %s (%s): moved to %s.%s", last, kind, reason, last, kind)
+        newest = checkpoint_paths(run.checkpoints, UPDATE_CHECKPOINT)
+        if not newest:
+            logger.warning("  no update checkpoint to resume from: training from scratch")
+            return 0
+        shutil.copyfile(newest[0], last + ".tmp")
+        os.replace(last + ".tmp", last)
+        logger.warning("  resuming from %s", newest[0])
+        return int(re.search(UPDATE_CHECKPOINT, os.path.basename(newest[0])).group(1))
+    return int(state.get("optimizer_history", [{}])[-1].get("num_updates", 0))
 
 
 def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     """fairseq-train into ``run.checkpoints``; fairseq restores ``checkpoint_last.pt`` there
     when a previous attempt was stopped. Keeps the last update checkpoints for averaging."""
     interval = settings.save_interval_updates or max(1, settings.max_update // 4)
-    usable_last_checkpoint(run)
+    done = usable_last_checkpoint(run)
+    if done >= settings.max_update:
+        # fairseq-train steps before it checks --max-update, so restarting it here would train
+        # one update past the budget (a runner stopped after training, before train.done)
+        logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
+        write_text(run.path("train.done"), "")
+        return
     system = run.system
     run_command(fairseq(
         "train", settings.data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch,
@@ -361,8 +397,9 @@ class Grid:
                             self.settings.max_update, run.directory)
                 run_start = time.time()
                 try:
-                    execute(run, self.settings, references, self.work_dir,
-                            lambda: self._progress(number, run, run_start, first_update))
+                    with exclusive_folder(run.directory, "run folder"):
+                        execute(run, self.settings, references, self.work_dir,
+                                lambda: self._progress(number, run, run_start, first_update))
                 except (RunFailed, UsageError, ValueError) as failure:
                     logger.error("run %d of %d, %s FAILED: %s", number, len(self.runs), run.name, failure)
                     failures.append((run, str(failure).splitlines()[0]))
@@ -398,30 +435,101 @@ def report_failures(failures: List[Tuple[Run, str]]) -> None:
 # the configuration file
 
 
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _text(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _arguments(value) -> bool:
+    """A list of command-line words (numbers allowed: TOML writes 0.1 unquoted)."""
+    return isinstance(value, list) and all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                                           for a in value)
+
+
+def _texts(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(_text(v) for v in value)
+
+
+def _seeds(value) -> bool:
+    return _positive(value) or (isinstance(value, list) and bool(value) and all(_positive(s) for s in value)
+                                and len(set(value)) == len(value))
+
+
+# key: (check, what a valid value is); every key of a table is checked before anything runs
+SCHEMA = {
+    "work_dir": (_text, "a folder name"),
+    "seeds": (_seeds, "a positive count or a list of distinct positive integers"),
+    "baseline": (_text, "a system name"),
+    "systems": (lambda v: isinstance(v, list) and bool(v), "a list of systems"),
+    "max_update": (_positive, "a positive integer"),
+    "beam": (_positive, "a positive integer"),
+    "max_tokens": (_positive, "a positive integer"),
+    "batch_size": (_positive, "a positive integer"),
+    "average_last": (_count, "an integer >= 0"),
+    "save_interval_updates": (_count, "an integer >= 0"),
+    "model_args": (_arguments, "a list of command-line words"),
+    "train_args": (_arguments, "a list of command-line words"),
+    "generate_args": (_arguments, "a list of command-line words"),
+    "corpus": (lambda v: isinstance(v, dict), "a table ([corpus])"),
+}
+CORPUS_SCHEMA = {
+    "dir": (_text, "a folder"),
+    "sources": (_texts, "a list of language codes"),
+    "target": (_text, "a language code"),
+    "train_verses": (_positive, "a positive integer"),
+    "bpe_merges": (_positive, "a positive integer"),
+}
+SYSTEM_SCHEMA = {
+    "name": (_text, "a name"),
+    "base": (_text, "a system name"),
+    "arch": (_text, "a registered architecture"),
+    "args": (_arguments, "a list of command-line words"),
+}
+KNOWN_KEYS = set(SCHEMA)
+
+
+def check_table(table: Dict, schema: Dict, where: str) -> None:
+    """One line naming the first unknown key or the first value of the wrong type."""
+    unknown = sorted(set(table) - set(schema))
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {unknown}; known: {sorted(schema)}")
+    for key, value in table.items():
+        valid, expected = schema[key]
+        if not valid(value):
+            raise UsageError(f"{where}: {key} must be {expected}, got {value!r}")
+
+
 def seeds_from(value, where: str) -> List[int]:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return list(range(1, value + 1))
-    if isinstance(value, list) and value and all(isinstance(s, int) for s in value):
-        return value
-    raise UsageError(f"{where}: seeds must be a positive count or a list of integers, got {value!r}")
+    if not _seeds(value):
+        raise UsageError(f"{where}: seeds must be {SCHEMA['seeds'][1]}, got {value!r}")
+    return list(range(1, value + 1)) if isinstance(value, int) else value
 
 
 def system_from(entry, where: str) -> System:
     """A registry name, or a table {name, base | arch, args}."""
+    if isinstance(entry, dict):
+        check_table(entry, SYSTEM_SCHEMA, f"{where}: system {entry.get('name', '(no name)')!r}")
     try:
         if isinstance(entry, str):
             return lookup(entry)
-        if isinstance(entry, dict) and "name" in entry:
+        if isinstance(entry, dict) and "name" in entry and ("base" in entry) != ("arch" in entry):
             args = [str(a) for a in entry.get("args", [])]
             if "base" in entry:
                 base = lookup(entry["base"])
                 return System(entry["name"], base.arch, base.options + args, task_options=base.task_options,
                               sources=base.sources)
-            if "arch" in entry:
-                return System(entry["name"], entry["arch"], args)
+            return System(entry["name"], entry["arch"], args)
     except KeyError as error:
         raise UsageError(f"{where}: {error.args[0]}") from None
-    raise UsageError(f"{where}: a system is a registry name or a table with name and base or arch, got {entry!r}")
+    raise UsageError(f"{where}: a system is a registry name or a table with name and either base or arch, "
+                     f"got {entry!r}")
 
 
 @dataclass
@@ -434,11 +542,8 @@ class Experiment:
     baseline: str
 
 
-KNOWN_KEYS = {"work_dir", "seeds", "baseline", "systems", "max_update", "beam", "max_tokens", "batch_size",
-              "average_last", "save_interval_updates", "model_args", "train_args", "generate_args", "corpus"}
-
-
 def load_config(path: str) -> Experiment:
+    """The whole file checked (keys, types, systems, corpus) before anything runs."""
     import tomllib
 
     if not os.path.isfile(path):
@@ -446,15 +551,18 @@ def load_config(path: str) -> Experiment:
     try:
         with open(path, "rb") as handle:
             config = tomllib.load(handle)
-    except tomllib.TOMLDecodeError as error:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise UsageError(f"{path}: not valid TOML: {error}") from None
-    unknown = sorted(set(config) - KNOWN_KEYS)
-    if unknown:
-        raise UsageError(f"{path}: unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
+    check_table(config, SCHEMA, path)
+    if "max_tokens" in config and "batch_size" in config:
+        raise UsageError(f"{path}: give max_tokens or batch_size, not both")
     if not config.get("systems"):
         raise UsageError(f"{path}: 'systems' must list at least one system")
     systems = [system_from(entry, path) for entry in config["systems"]]
     names = [system.name for system in systems]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise UsageError(f"{path}: system(s) {repeated} listed more than once")
     baseline = config.get("baseline", names[0])
     if baseline not in names:
         try:
@@ -464,8 +572,9 @@ def load_config(path: str) -> Experiment:
     if baseline not in names:
         raise UsageError(f"{path}: baseline {baseline!r} is not one of the systems {names}")
     systems.sort(key=lambda system: system.name != baseline)  # the baseline first
-    corpus = config.get("corpus")
-    if not isinstance(corpus, dict) or not (corpus.get("dir") or corpus.get("sources")):
+    corpus = config.get("corpus", {})
+    check_table(corpus, CORPUS_SCHEMA, f"{path}: [corpus]")
+    if not (corpus.get("dir") or corpus.get("sources")):
         raise UsageError(f"{path}: [corpus] needs dir (an existing build_corpus output) or sources to build")
     return Experiment(systems, seeds_from(config.get("seeds", 1), path),
                       config.get("work_dir", f"work-{os.path.splitext(os.path.basename(path))[0]}"),
@@ -507,9 +616,9 @@ def prepare_corpus(corpus: Dict, work_dir: str) -> Tuple[str, str]:
 def parse_args(argv=None):
     parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("config", help="TOML file: systems, seeds, corpus, budget (see the module's docstring)")
-    parser.add_argument("--seeds", type=int, help="run seeds 1..N (overrides the file's seeds)")
+    parser.add_argument("--seeds", type=cli_support.positive_int, help="run seeds 1..N (overrides the file's seeds)")
     parser.add_argument("--work-dir", help="overrides the file's work_dir")
-    parser.add_argument("--max-update", type=int, help="overrides the file's max_update")
+    parser.add_argument("--max-update", type=cli_support.positive_int, help="overrides the file's max_update")
     parser.add_argument("--report-only", action="store_true",
                         help="write the table of the runs finished so far; train nothing")
     parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials (default: %(default)s)")
@@ -518,23 +627,22 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def writable_folder(path: str, what: str) -> str:
+    """``path``, refused up front (before any training) unless it is or can be a folder this
+    process may write into."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{what} {path} exists and is not a folder")
+    if not os.access(path if os.path.isdir(path) else parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path} is not writable")
+    return path
+
+
+def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 
-    args = parse_args(argv)
-    # force: importing fairseq (its wav2vec2_classification module) already called
-    # logging.basicConfig(level=DEBUG), which would keep its format and let matplotlib's DEBUG through
-    logging.basicConfig(format="[experiment %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO,
-                        force=True)
-    try:
-        experiment = load_config(args.config)
-        if args.seeds is not None:
-            experiment.seeds = seeds_from(args.seeds, "--seeds")
-    except UsageError as error:
-        print(f"experiment: error: {error}", file=sys.stderr)
-        return 2
-    work_dir = args.work_dir or experiment.work_dir
-    os.makedirs(work_dir, exist_ok=True)
     corpus, target = prepare_corpus(experiment.corpus, work_dir)
     settings = settings_from(experiment, os.path.join(corpus, "data-bin"), target, args.max_update)
     references = read_lines(os.path.join(corpus, "text", f"test.raw.{target}"))
@@ -556,6 +664,26 @@ def main(argv=None) -> int:
     report_failures(failures)
     logger.info("finished in %s", minutes(time.time() - grid.start))
     return 0 if tabled and not failures else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # force: importing fairseq (its wav2vec2_classification module) already called
+    # logging.basicConfig(level=DEBUG), which would keep its format and let matplotlib's DEBUG through
+    logging.basicConfig(format="[experiment %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO,
+                        force=True)
+    try:
+        experiment = load_config(args.config)
+        if args.seeds is not None:
+            experiment.seeds = seeds_from(args.seeds, "--seeds")
+        work_dir = writable_folder(args.work_dir or experiment.work_dir, "work directory")
+        if args.report_only:  # reads finished runs only (their files are written atomically)
+            return run_grid(args, experiment, work_dir)
+        with exclusive_folder(work_dir, "work directory"):
+            return run_grid(args, experiment, work_dir)
+    except UsageError as error:
+        print(f"experiment: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from mlmha_fairseq.compat import UnsafeCheckpointError, check_stored_options
 from mlmha_fairseq.evaluation.text_io import InputError, read_lines
 
 DEFAULT_BATCH_SIZE = 32
@@ -19,10 +20,12 @@ _UNPICKLER_DETAIL = re.compile(r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the 
 @contextlib.contextmanager
 def checkpoint_errors(path: str):
     """Turn torch's errors for a file that is not a loadable checkpoint (empty, truncated,
-    not a torch file, or holding objects safe loading refuses) into one :class:`InputError`
-    naming ``path``."""
+    not a torch file, holding objects safe loading refuses, or options that are code) into one
+    :class:`InputError` naming ``path``."""
     try:
         yield
+    except UnsafeCheckpointError as error:
+        raise InputError(f"{path}: {error}") from None
     except EOFError as error:
         raise InputError(f"checkpoint {path} is empty or truncated") from error
     except pickle.UnpicklingError as error:
@@ -42,7 +45,8 @@ def load_model(checkpoint: str, data_bin: Optional[str] = None):
 
     ``data_bin`` replaces the data directory stored in the checkpoint, so that the task can
     find its dictionaries. Uses ``fairseq.checkpoint_utils``, which this package makes safe
-    on torch >= 2.6 when ``mlmha_fairseq`` is imported.
+    on torch >= 2.6 when ``mlmha_fairseq`` is imported; options stored as dicts, which
+    unpickling does not check, are checked before anything is built.
     """
     from fairseq import checkpoint_utils
 
@@ -52,8 +56,10 @@ def load_model(checkpoint: str, data_bin: Optional[str] = None):
         raise InputError(f"data-bin directory not found: {data_bin}")
     overrides = {"data": data_bin} if data_bin else None
     with checkpoint_errors(checkpoint):
+        state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint, overrides)
+        check_stored_options(state)
         models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-            [checkpoint], arg_overrides=overrides)
+            [checkpoint], arg_overrides=overrides, state=state)
     return models[0].eval(), task
 
 
