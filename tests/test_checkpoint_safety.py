@@ -7,6 +7,7 @@ import os
 import pathlib
 import pickle
 import shutil
+import warnings
 
 import fairseq
 import pytest
@@ -14,8 +15,9 @@ import torch
 
 from fairseq_helpers import USER_DIR, run_fairseq, train_args
 from mlmha_fairseq.cli import (
-    aif_dependency, experiment, attention_stats, dc_diversity, dump_attention, mlrf_hop_weights, multi_source_attention, probe,
+    aif_dependency, attention_stats, dc_diversity, dump_attention, mlrf_hop_weights, multi_source_attention, probe,
 )
+from mlmha_fairseq.experiments import grid, systems
 from mlmha_fairseq.compat import EVALUATED_OPTIONS, CheckedNamespace, is_code
 from mlmha_fairseq.evaluation.model_loading import load_model
 from mlmha_fairseq.evaluation.text_io import InputError
@@ -133,7 +135,10 @@ def test_data_is_not_code(value):
 def _evaluated_attributes(source: str):
     """``X`` of every ``eval(<...>.X)``, ``eval_str_list(<...>.X)``, ``eval_str_dict(<...>.X)``,
     ``eval_bool(<...>.X)`` call in ``source``."""
-    for node in ast.walk(ast.parse(source)):
+    with warnings.catch_warnings():  # fairseq's own invalid escape sequences
+        warnings.simplefilter("ignore", DeprecationWarning)
+        tree = ast.parse(source)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Attribute):
             function = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
             if function in {"eval", "eval_str_list", "eval_str_dict", "eval_bool"}:
@@ -158,12 +163,12 @@ def test_a_checked_namespace_is_saved_again_as_fairseqs_plain_namespace(trained)
 
 
 def test_the_runner_moves_an_unsafe_last_checkpoint_aside_and_says_why(trained, tmp_path, caplog):
-    run = experiment.Run(experiment.lookup("transformer"), 1, str(tmp_path / "run"))
+    run = grid.Run(systems.lookup("transformer"), 1, str(tmp_path / "run"))
     os.makedirs(run.checkpoints)
     malicious, sentinel = planted(trained, "adaptive_softmax_cutoff", tmp_path)
     last = os.path.join(run.checkpoints, "checkpoint_last.pt")
     shutil.copyfile(malicious, last)
-    assert experiment.usable_last_checkpoint(run) == 0  # nothing safe to resume from
+    assert grid.usable_last_checkpoint(run) == 0  # nothing safe to resume from
     assert not os.path.exists(last)
     with open(last + ".unsafe", "rb") as kept, open(malicious, "rb") as original:
         assert kept.read() == original.read()  # the evidence is kept
@@ -172,11 +177,11 @@ def test_the_runner_moves_an_unsafe_last_checkpoint_aside_and_says_why(trained, 
 
 
 def test_the_runner_and_the_demo_refuse_to_decode_a_checkpoint_with_code_in_an_option(trained, data_bin, tmp_path):
-    """Both decode a run folder's checkpoint with experiment.decode (fairseq-generate)."""
-    run = experiment.Run(experiment.lookup("transformer"), 1, str(tmp_path / "run"))
+    """Both decode a run folder's checkpoint with grid.decode (fairseq-generate)."""
+    run = grid.Run(systems.lookup("transformer"), 1, str(tmp_path / "run"))
     malicious, sentinel = planted(trained, "adaptive_softmax_cutoff", tmp_path)
-    with pytest.raises(experiment.RunFailed) as failure:
-        experiment.decode(run, experiment.Settings(str(data_bin), "tgt", 1), str(malicious),
+    with pytest.raises(grid.RunFailed) as failure:
+        grid.decode(run, grid.Settings(str(data_bin), "tgt", 1), str(malicious),
                           run.path("generate"), str(tmp_path))
     first = str(failure.value).splitlines()[0]
     assert first.startswith("fairseq_cli.generate failed (1): ") and "adaptive_softmax_cutoff=" in first

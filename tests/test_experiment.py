@@ -11,6 +11,8 @@ import time
 import pytest
 
 from mlmha_fairseq.cli import experiment
+from mlmha_fairseq.experiments import corpora, grid, systems
+from mlmha_fairseq.experiments.config import load_config
 from mlmha_fairseq.output_files import exclusive_folder
 from test_demo import tiny_corpus
 
@@ -108,7 +110,7 @@ def test_a_killed_runner_takes_its_training_with_it_and_a_rerun_resumes_within_t
     arguments = [str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]
     assert experiment.main(arguments) == 0
     assert "Loaded checkpoint" in _text(run_dir / "logs" / "train.log")  # the second attempt's
-    assert experiment.last_update(str(run_dir / "logs" / "train.log")) == 30
+    assert grid.last_update(str(run_dir / "logs" / "train.log")) == 30
     assert (run_dir / "scores.json").exists()
 
     # stopped after training, before it was recorded: the checkpoint holds the budget already
@@ -117,7 +119,7 @@ def test_a_killed_runner_takes_its_training_with_it_and_a_rerun_resumes_within_t
     (run_dir / "scores.json").unlink()
     assert experiment.main(arguments) == 0
     assert sum("fairseq_cli.train" in line for line in commands(work)) == trainings
-    assert experiment.last_update(str(run_dir / "logs" / "train.log")) == 30
+    assert grid.last_update(str(run_dir / "logs" / "train.log")) == 30
 
 
 def test_a_work_directory_in_use_is_refused_naming_its_holder(tmp_path, corpus, capsys):
@@ -133,11 +135,11 @@ def test_a_work_directory_in_use_is_refused_naming_its_holder(tmp_path, corpus, 
 
 
 def test_a_run_folder_in_use_fails_that_run_alone(tmp_path, corpus):
-    run = experiment.Run(experiment.lookup("transformer"), 1, str(tmp_path / "run"))
-    grid = experiment.Grid([run.system], [1], experiment.Settings("no-data-bin", "en", 1), str(tmp_path))
-    grid.runs = [run]
+    run = grid.Run(systems.lookup("transformer"), 1, str(tmp_path / "run"))
+    runs = grid.Grid([run.system], [1], grid.Settings("no-data-bin", "en", 1), str(tmp_path))
+    runs.runs = [run]
     with exclusive_folder(run.directory, "run folder"):
-        failures = grid.execute([])
+        failures = runs.execute([])
     assert [(failed, message.split(" is in use by ")[0]) for failed, message in failures] == [
         (run, f"run folder {run.directory}")]
 
@@ -209,12 +211,12 @@ def test_report_only_before_any_baseline_run_fails_in_the_runners_own_log_format
 
 
 def test_a_truncated_last_checkpoint_is_replaced_by_the_newest_update_checkpoint(tmp_path):
-    run = experiment.Run(experiment.lookup("transformer"), 1, str(tmp_path))
+    run = grid.Run(systems.lookup("transformer"), 1, str(tmp_path))
     os.makedirs(run.checkpoints)
     for name, content in (("checkpoint_last.pt", b"truncat"), ("checkpoint_1_5.pt", b"five"),
                           ("checkpoint_1_10.pt", b"ten")):
         (tmp_path / "checkpoints" / name).write_bytes(content)
-    experiment.usable_last_checkpoint(run)
+    grid.usable_last_checkpoint(run)
     assert (tmp_path / "checkpoints" / "checkpoint_last.pt").read_bytes() == b"ten"
 
 
@@ -222,20 +224,20 @@ def test_a_corpus_built_with_the_same_settings_is_kept(tmp_path, monkeypatch):
     """A rerun must not rebuild the corpus its finished runs were trained on (and two grids
     sharing a work directory must not rewrite it under each other)."""
     built = []
-    monkeypatch.setattr(experiment, "run_command", lambda command, *rest: built.append(command))
+    monkeypatch.setattr(corpora, "run_command", lambda command, *rest: built.append(command))
     corpus = tmp_path / "corpus"
     settings = (["es", "fr"], "en", str(corpus), 1000, 400, str(tmp_path))
-    experiment.build_corpus(*settings)
+    corpora.build_corpus(*settings)
     assert len(built) == 1  # no manifest: built
     corpus.mkdir()
     manifest = {"sources": ["es", "fr"], "target": "en", "bpe": {"merges_requested": 400},
                 "train_selection": {"max_train_verses": 1000, "max_tokens_per_verse": 50}}
     (corpus / "manifest.json").write_text(json.dumps(manifest))
-    experiment.build_corpus(*settings)
+    corpora.build_corpus(*settings)
     assert len(built) == 1  # the same settings: kept
     for changed in ((["es", "de"], *settings[1:]), (*settings[:3], 2000, *settings[4:]),
                     (*settings[:4], 800, settings[5])):
-        experiment.build_corpus(*changed)
+        corpora.build_corpus(*changed)
     assert len(built) == 4  # other sources, training verses or merges: built again
 
 
@@ -243,8 +245,8 @@ def test_a_corpus_built_with_the_same_settings_is_kept(tmp_path, monkeypatch):
 def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     """Each shipped grid loads, its systems are the package's, and it shares the demo grid's
     work directory, corpus and budget, so the baseline's seeds are trained once for all."""
-    demo = experiment.load_config(os.path.join(EXAMPLES, "demo.toml"))
-    loaded = experiment.load_config(os.path.join(EXAMPLES, config))
+    demo = load_config(os.path.join(EXAMPLES, "demo.toml"))
+    loaded = load_config(os.path.join(EXAMPLES, config))
     assert loaded.systems[0].name == "Transformer (fairseq)" and loaded.seeds == [1, 2, 3]
     assert (loaded.work_dir, loaded.corpus) == (demo.work_dir, demo.corpus)
     for key in ("max_update", "max_tokens", "beam"):

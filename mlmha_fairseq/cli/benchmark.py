@@ -38,7 +38,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from mlmha_fairseq.cli import _support as cli_support
-from mlmha_fairseq.cli.systems import BENCHMARK_KEYS, lookup
+from mlmha_fairseq.experiments.systems import BENCHMARK_KEYS, lookup
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json, write_text
 
 logger = logging.getLogger("mlmha_fairseq.benchmark")

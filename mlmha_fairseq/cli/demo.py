@@ -33,13 +33,14 @@ import time
 from typing import Dict, List, Set
 
 from mlmha_fairseq.cli import _support as cli_support
-from mlmha_fairseq.cli.experiment import (
-    TOKEN_BATCHES, Batching, Grid, Run, Settings, build_corpus, checkpoint_to_decode, decode, detokenized, minutes,
-    report_failures, slug,
+from mlmha_fairseq.experiments.corpora import build_corpus
+from mlmha_fairseq.experiments.grid import (
+    TOKEN_BATCHES, Batching, Grid, Run, Settings, checkpoint_to_decode, decode, detokenized, minutes, report_failures,
+    slug,
 )
-from mlmha_fairseq.cli.systems import DEMO_SYSTEMS as SYSTEMS
-from mlmha_fairseq.cli.systems import MULTI_SOURCE_STRATEGIES as STRATEGIES
-from mlmha_fairseq.cli.systems import System, multi_source_system
+from mlmha_fairseq.experiments.systems import DEMO_SYSTEMS as SYSTEMS
+from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES as STRATEGIES
+from mlmha_fairseq.experiments.systems import System, multi_source_system
 from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 from mlmha_fairseq.evaluation.scoring import corpus_score, resolve_protocol
 from mlmha_fairseq.evaluation.text_io import read_lines, write_json, write_text

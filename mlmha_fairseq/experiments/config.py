@@ -1,0 +1,171 @@
+"""The experiment runner's TOML file: every key and value checked before anything runs."""
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.experiments.grid import MODEL, TOKEN_BATCHES, Batching, Settings
+from mlmha_fairseq.experiments.systems import System, lookup
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _text(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _arguments(value) -> bool:
+    """A list of command-line words (numbers allowed: TOML writes 0.1 unquoted)."""
+    return isinstance(value, list) and all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                                           for a in value)
+
+
+def _texts(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(_text(v) for v in value)
+
+
+def _seeds(value) -> bool:
+    return _positive(value) or (isinstance(value, list) and bool(value) and all(_positive(s) for s in value)
+                                and len(set(value)) == len(value))
+
+
+# key: (check, what a valid value is); every key of a table is checked before anything runs
+SCHEMA = {
+    "work_dir": (_text, "a folder name"),
+    "seeds": (_seeds, "a positive count or a list of distinct positive integers"),
+    "baseline": (_text, "a system name"),
+    "systems": (lambda v: isinstance(v, list) and bool(v), "a list of systems"),
+    "max_update": (_positive, "a positive integer"),
+    "beam": (_positive, "a positive integer"),
+    "max_tokens": (_positive, "a positive integer"),
+    "batch_size": (_positive, "a positive integer"),
+    "average_last": (_count, "an integer >= 0"),
+    "save_interval_updates": (_count, "an integer >= 0"),
+    "model_args": (_arguments, "a list of command-line words"),
+    "train_args": (_arguments, "a list of command-line words"),
+    "generate_args": (_arguments, "a list of command-line words"),
+    "corpus": (lambda v: isinstance(v, dict), "a table ([corpus])"),
+}
+CORPUS_SCHEMA = {
+    "dir": (_text, "a folder"),
+    "sources": (_texts, "a list of language codes"),
+    "target": (_text, "a language code"),
+    "train_verses": (_positive, "a positive integer"),
+    "bpe_merges": (_positive, "a positive integer"),
+}
+SYSTEM_SCHEMA = {
+    "name": (_text, "a name"),
+    "base": (_text, "a system name"),
+    "arch": (_text, "a registered architecture"),
+    "args": (_arguments, "a list of command-line words"),
+}
+KNOWN_KEYS = set(SCHEMA)
+
+
+def check_table(table: Dict, schema: Dict, where: str) -> None:
+    """One line naming the first unknown key or the first value of the wrong type."""
+    unknown = sorted(set(table) - set(schema))
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {unknown}; known: {sorted(schema)}")
+    for key, value in table.items():
+        valid, expected = schema[key]
+        if not valid(value):
+            raise UsageError(f"{where}: {key} must be {expected}, got {value!r}")
+
+
+def seeds_from(value, where: str) -> List[int]:
+    if not _seeds(value):
+        raise UsageError(f"{where}: seeds must be {SCHEMA['seeds'][1]}, got {value!r}")
+    return list(range(1, value + 1)) if isinstance(value, int) else value
+
+
+def system_from(entry, where: str) -> System:
+    """A registry name, or a table {name, base | arch, args}."""
+    if isinstance(entry, dict):
+        check_table(entry, SYSTEM_SCHEMA, f"{where}: system {entry.get('name', '(no name)')!r}")
+    try:
+        if isinstance(entry, str):
+            return lookup(entry)
+        if isinstance(entry, dict) and "name" in entry and ("base" in entry) != ("arch" in entry):
+            args = [str(a) for a in entry.get("args", [])]
+            if "base" in entry:
+                base = lookup(entry["base"])
+                return System(entry["name"], base.arch, base.options + args, task_options=base.task_options,
+                              sources=base.sources)
+            return System(entry["name"], entry["arch"], args)
+    except KeyError as error:
+        raise UsageError(f"{where}: {error.args[0]}") from None
+    raise UsageError(f"{where}: a system is a registry name or a table with name and either base or arch, "
+                     f"got {entry!r}")
+
+
+@dataclass
+class Experiment:
+    systems: List[System]
+    seeds: List[int]
+    work_dir: str
+    corpus: Dict
+    settings: Dict
+    baseline: str
+
+
+def load_config(path: str) -> Experiment:
+    """The whole file checked (keys, types, systems, corpus) before anything runs."""
+    import tomllib
+
+    if not os.path.isfile(path):
+        raise UsageError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as handle:
+            config = tomllib.load(handle)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"{path}: not valid TOML: {error}") from None
+    check_table(config, SCHEMA, path)
+    if "max_tokens" in config and "batch_size" in config:
+        raise UsageError(f"{path}: give max_tokens or batch_size, not both")
+    if not config.get("systems"):
+        raise UsageError(f"{path}: 'systems' must list at least one system")
+    systems = [system_from(entry, path) for entry in config["systems"]]
+    names = [system.name for system in systems]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise UsageError(f"{path}: system(s) {repeated} listed more than once")
+    baseline = config.get("baseline", names[0])
+    if baseline not in names:
+        try:
+            baseline = lookup(baseline).name
+        except KeyError:
+            pass
+    if baseline not in names:
+        raise UsageError(f"{path}: baseline {baseline!r} is not one of the systems {names}")
+    systems.sort(key=lambda system: system.name != baseline)  # the baseline first
+    corpus = config.get("corpus", {})
+    check_table(corpus, CORPUS_SCHEMA, f"{path}: [corpus]")
+    if not (corpus.get("dir") or corpus.get("sources")):
+        raise UsageError(f"{path}: [corpus] needs dir (an existing build_corpus output) or sources to build")
+    return Experiment(systems, seeds_from(config.get("seeds", 1), path),
+                      config.get("work_dir", f"work-{os.path.splitext(os.path.basename(path))[0]}"),
+                      corpus, config, baseline)
+
+
+def settings_from(experiment: Experiment, data_bin: str, target: str, max_update: Optional[int]) -> Settings:
+    config = experiment.settings
+    if "batch_size" in config:
+        batching = Batching("--batch-size", int(config["batch_size"]), "sentences")
+    else:
+        batching = Batching("--max-tokens", int(config.get("max_tokens", TOKEN_BATCHES.size)), "tokens")
+    return Settings(
+        data_bin=data_bin, target=target, max_update=int(max_update or config.get("max_update", 400)),
+        beam=int(config.get("beam", 4)), batching=batching,
+        model_args=[str(a) for a in config.get("model_args", MODEL)],
+        train_args=[str(a) for a in config.get("train_args", [])],
+        generate_args=[str(a) for a in config.get("generate_args", [])],
+        average_last=int(config.get("average_last", 0)),
+        save_interval_updates=int(config.get("save_interval_updates", 0)),
+    )

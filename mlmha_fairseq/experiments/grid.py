@@ -1,0 +1,365 @@
+"""One grid of runs (systems x training seeds): each run trained with ``fairseq-train``,
+decoded with ``fairseq-generate``, detokenized and scored, in its own folder.
+
+Resumable: a run whose scores are written is skipped; a run that was stopped resumes from
+its ``checkpoint_last.pt`` (fairseq-train's own restore); a run that fails is reported and the
+others go on. Every command is printed with its log file and appended to
+``<work_dir>/commands.log``.
+"""
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import mlmha_fairseq
+from mlmha_fairseq.experiments.systems import System
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.output_files import exclusive_folder
+from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
+from mlmha_fairseq.evaluation.text_io import read_lines, write_text
+
+logger = logging.getLogger("mlmha_fairseq.experiment")
+USER_DIR = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
+POLL_SECONDS = 20
+UPDATE_CHECKPOINT = r"checkpoint_\d+_(\d+)\.pt"  # fairseq's name of the checkpoint after update N
+
+# the demo's model: d=128, 3+3 layers
+MODEL = [
+    "--encoder-layers", "3", "--decoder-layers", "3",
+    "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+    "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--share-all-embeddings", "--dropout", "0.1",
+]
+
+
+class Batching(NamedTuple):
+    option: str  # the fairseq-train option that bounds a batch
+    size: int
+    unit: str
+
+
+TOKEN_BATCHES = Batching("--max-tokens", 4096, "tokens")
+
+
+class RunFailed(RuntimeError):
+    """A command of one run exited with an error; the message names its log."""
+
+
+def fairseq(tool: str, *args) -> List[str]:
+    return [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def _end_with_parent() -> None:
+    """In the child, before exec: ask Linux to send SIGTERM when the runner's thread that
+    started it dies, even by SIGKILL, so that no fairseq-train outlives the runner and keeps
+    writing into a run folder that a rerun trains again. Other systems have no such request;
+    there a killed runner's children must be stopped by hand."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_command(command: List[str], log_path: str, work_dir: str,
+                on_poll: Optional[Callable[[], None]] = None) -> None:
+    """Run ``command`` with its output into ``log_path``, print and record it in
+    ``<work_dir>/commands.log``; ``on_poll`` is called every POLL_SECONDS while it runs.
+    Raises :class:`RunFailed` when it fails: the first line says which tool failed and the
+    last line of its log (e.g. fairseq's one-line error), then the command and the log's tail."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    line = " ".join(command)
+    logger.info("$ %s\n  (log: %s)", line, log_path)
+    with open(os.path.join(work_dir, "commands.log"), "a", encoding="utf-8") as record:
+        record.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} > {log_path}\n")
+    start = time.time()
+    with open(log_path, "a") as log:  # a resumed run adds to its log
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent)
+        while True:
+            try:
+                returncode = process.wait(timeout=POLL_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                if on_poll:
+                    on_poll()
+    if returncode != 0:
+        with open(log_path, errors="replace") as log:
+            tail = log.read()[-2000:]
+        last = (tail.strip().splitlines() or ["(empty log)"])[-1]
+        tool = command[2] if command[1:2] == ["-m"] else command[0]
+        raise RunFailed(f"{tool} failed ({returncode}): {last}\n$ {line}\n{tail}\n(full log: {log_path})")
+    logger.info("  done in %.0f s", time.time() - start)
+
+
+@dataclass
+class Settings:
+    """What every run of a grid shares."""
+
+    data_bin: str
+    target: str
+    max_update: int
+    beam: int = 4
+    batching: Batching = TOKEN_BATCHES
+    model_args: List[str] = field(default_factory=lambda: list(MODEL))
+    train_args: List[str] = field(default_factory=list)
+    generate_args: List[str] = field(default_factory=list)
+    average_last: int = 0
+    save_interval_updates: int = 0  # 0: max_update / 4
+
+    @property
+    def budget(self) -> str:
+        return f"{self.max_update} updates of {self.batching.size:,} {self.batching.unit} each"
+
+
+@dataclass
+class Run:
+    """One system trained with one seed, in ``directory``."""
+
+    system: System
+    seed: int
+    directory: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.system.name} (seed {self.seed})"
+
+    def path(self, *parts) -> str:
+        return os.path.join(self.directory, *parts)
+
+    @property
+    def checkpoints(self) -> str:
+        return self.path("checkpoints")
+
+    @property
+    def finished(self) -> bool:
+        return os.path.isfile(self.path("scores.json")) and os.path.isfile(self.path("hypotheses.txt"))
+
+    def hypotheses(self) -> List[str]:
+        return read_lines(self.path("hypotheses.txt"))
+
+    def scores(self) -> Dict:
+        with open(self.path("scores.json")) as handle:
+            return json.load(handle)
+
+
+def last_update(log_path: str) -> int:
+    """The last ``num_updates`` fairseq-train logged, 0 if none yet."""
+    if not os.path.isfile(log_path):
+        return 0
+    with open(log_path, errors="replace") as log:
+        found = re.findall(r"num_updates[=\s|]+(\d+)", log.read())
+    return int(found[-1]) if found else 0
+
+
+def usable_last_checkpoint(run: Run) -> int:
+    """Before a resume: the number of updates ``checkpoint_last.pt`` holds (0: none).
+
+    fairseq writes each update checkpoint through a temporary file, but copies it to
+    ``checkpoint_last.pt`` in place, so a run stopped during that copy leaves a truncated file;
+    a checkpoint that safe loading refuses (:mod:`mlmha_fairseq.compat`) must not be trained
+    from either. Such a file is moved aside (``.unsafe`` or ``.unreadable``, kept as evidence)
+    and replaced by the newest update checkpoint that loads, if any."""
+    from fairseq.checkpoint_utils import checkpoint_paths, load_checkpoint_to_cpu
+
+    from mlmha_fairseq.compat import UnsafeCheckpointError
+
+    last = os.path.join(run.checkpoints, "checkpoint_last.pt")
+    if not os.path.isfile(last):
+        return 0
+    try:
+        state = load_checkpoint_to_cpu(last)
+    except Exception as error:  # any unreadable file: torch raises several kinds
+        kind = "unsafe" if isinstance(error, UnsafeCheckpointError) else "unreadable"
+        os.replace(last, f"{last}.{kind}")
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        logger.warning("  %s is %s (%s): moved to %s.%s", last, kind, reason, last, kind)
+        newest = checkpoint_paths(run.checkpoints, UPDATE_CHECKPOINT)
+        if not newest:
+            logger.warning("  no update checkpoint to resume from: training from scratch")
+            return 0
+        shutil.copyfile(newest[0], last + ".tmp")
+        os.replace(last + ".tmp", last)
+        logger.warning("  resuming from %s", newest[0])
+        return int(re.search(UPDATE_CHECKPOINT, os.path.basename(newest[0])).group(1))
+    return int(state.get("optimizer_history", [{}])[-1].get("num_updates", 0))
+
+
+def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
+    """fairseq-train into ``run.checkpoints``; fairseq restores ``checkpoint_last.pt`` there
+    when a previous attempt was stopped. Keeps the last update checkpoints for averaging."""
+    interval = settings.save_interval_updates or max(1, settings.max_update // 4)
+    done = usable_last_checkpoint(run)
+    if done >= settings.max_update:
+        # fairseq-train steps before it checks --max-update, so restarting it here would train
+        # one update past the budget (a runner stopped after training, before train.done)
+        logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
+        write_text(run.path("train.done"), "")
+        return
+    system = run.system
+    run_command(fairseq(
+        "train", settings.data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch,
+        *settings.model_args,
+        "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "2e-3",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", max(1, settings.max_update // 5),
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        settings.batching.option, settings.batching.size, "--max-update", settings.max_update,
+        "--save-dir", run.checkpoints, "--no-epoch-checkpoints",
+        "--save-interval-updates", interval, "--keep-interval-updates", max(1, settings.average_last),
+        "--seed", run.seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
+        *settings.train_args,
+        *system.options,  # last: a system may replace the criterion
+    ), run.path("logs", "train.log"), work_dir, on_poll)
+    write_text(run.path("train.done"), "")
+
+
+def checkpoint_to_decode(run: Run, settings: Settings) -> str:
+    """checkpoint_best.pt, or the average of the last ``average_last`` update checkpoints
+    (as the papers average their last checkpoints), made once."""
+    if settings.average_last <= 0:
+        return os.path.join(run.checkpoints, "checkpoint_best.pt")
+    from mlmha_fairseq.evaluation.checkpoint_averaging import average_checkpoints, last_checkpoints, save_checkpoint
+
+    averaged = os.path.join(run.checkpoints, f"checkpoint_average_last{settings.average_last}.pt")
+    if not os.path.isfile(averaged):
+        paths = last_checkpoints(run.checkpoints, settings.average_last, kind="update")
+        logger.info("  averaging %s", ", ".join(os.path.basename(p) for p in paths))
+        save_checkpoint(average_checkpoints(paths), averaged + ".tmp")
+        os.replace(averaged + ".tmp", averaged)
+    return averaged
+
+
+def decode(run: Run, settings: Settings, checkpoint: str, output: str, work_dir: str, *extra) -> str:
+    """fairseq-generate of the test set into ``output``; returns its generate-test.txt."""
+    # --required-batch-size-multiple 1: fairseq's default of 8 drops the last test sentences
+    run_command(fairseq(
+        "generate", settings.data_bin, "--user-dir", USER_DIR, *run.system.task_options, *extra,
+        "--path", checkpoint, "--beam", settings.beam,
+        "--remove-bpe", "--batch-size", "64", "--required-batch-size-multiple", "1",
+        "--max-len-a", "1.2", "--max-len-b", "10", "--cpu", "--results-path", output,
+        *settings.generate_args,
+    ), run.path("logs", f"{os.path.basename(output)}.log"), work_dir)
+    return os.path.join(output, "generate-test.txt")
+
+
+def detokenized(generate_output: str, target: str) -> List[str]:
+    """The hypotheses of a fairseq-generate output, in input order, Moses-detokenized."""
+    return load_hypotheses(generate_output, resolve_protocol("sacrebleu"),
+                           TextOptions(input_format="generate", detokenize_lang=target))
+
+
+def execute(run: Run, settings: Settings, references: List[str], work_dir: str, on_poll=None) -> Dict:
+    """Train (unless done), decode, detokenize and score one run; write hypotheses.txt and
+    scores.json (last, so that a run is finished only once both are there)."""
+    from mlmha_fairseq.evaluation.meteor import UNAVAILABLE, corpus_meteor, load_wordnet
+
+    start = time.time()
+    if not os.path.isfile(run.path("train.done")):
+        train(run, settings, work_dir, on_poll)
+    checkpoint = checkpoint_to_decode(run, settings)
+    hypotheses = detokenized(decode(run, settings, checkpoint, run.path("generate"), work_dir), settings.target)
+    write_text(run.path("hypotheses.txt"), "\n".join(hypotheses) + "\n")
+    bleu = corpus_score(hypotheses, [references], resolve_protocol("sacrebleu"))
+    chrf = corpus_score(hypotheses, [references], resolve_protocol("chrf"))
+    wordnet = load_wordnet()
+    meteor = corpus_meteor(hypotheses, [references], wordnet)
+    scores = {"system": run.system.name, "seed": run.seed, "bleu": bleu.score, "chrf": chrf.score,
+              "meteor": meteor, "meteor_note": wordnet.reason, "bleu_signature": bleu.signature,
+              "chrf_signature": chrf.signature, "checkpoint": checkpoint, "seconds": time.time() - start}
+    write_text(run.path("scores.json"), json.dumps(scores, indent=2) + "\n")
+    logger.info("  %s: BLEU %.2f, chrF %.2f, METEOR %s", run.name, bleu.score, chrf.score,
+                UNAVAILABLE if meteor is None else f"{meteor:.2f}")
+    return scores
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+class Grid:
+    """Every run of ``systems`` x ``seeds`` under ``<work_dir>/runs``, each one skipped when
+    finished; progress lines with elapsed and estimated remaining time."""
+
+    def __init__(self, systems: Sequence[System], seeds: Sequence[int], settings: Settings, work_dir: str,
+                 folder_prefix: str = ""):
+        self.settings, self.work_dir = settings, work_dir
+        # seed by seed, so that a grid stopped half-way has pairs of runs to compare
+        self.runs = [Run(system, seed, os.path.join(work_dir, "runs", slug(f"{folder_prefix} {system.name}"),
+                                                    f"seed{seed}"))
+                     for seed in seeds for system in systems]
+        self.start = time.time()
+        self.trained_updates = 0  # in this session, for the time estimate
+        self.training_seconds = 0.0
+
+    def _progress(self, number: int, run: Run, run_start: float, first_update: int) -> None:
+        done = last_update(run.path("logs", "train.log"))
+        left = self.settings.max_update - done
+        left += sum(self.settings.max_update for later in self.runs[number:] if not later.finished)
+        updates = self.trained_updates + max(0, done - first_update)
+        seconds = self.training_seconds + time.time() - run_start
+        remaining = f"~{minutes(left * seconds / updates)}" if updates else "unknown"
+        logger.info("run %d of %d, %s: %d/%d updates; elapsed %s, remaining %s (training)", number,
+                    len(self.runs), run.name, done, self.settings.max_update, minutes(time.time() - self.start),
+                    remaining)
+
+    def execute(self, references: List[str],
+                after_run: Optional[Callable[[Run], None]] = None) -> List[Tuple[Run, str]]:
+        """Run what is not finished; return the failures as (run, message).
+        ``after_run`` is called after each finished run (e.g. extra decodings)."""
+        failures = []
+        for number, run in enumerate(self.runs, 1):
+            if run.finished:
+                logger.info("run %d of %d, %s: finished earlier, skipped", number, len(self.runs), run.name)
+            else:
+                first_update = last_update(run.path("logs", "train.log"))
+                verb = "resumes from its last checkpoint" if os.path.isfile(
+                    os.path.join(run.checkpoints, "checkpoint_last.pt")) else "starts"
+                logger.info("run %d of %d, %s: %s (%d updates, %s)", number, len(self.runs), run.name, verb,
+                            self.settings.max_update, run.directory)
+                run_start = time.time()
+                try:
+                    with exclusive_folder(run.directory, "run folder"):
+                        execute(run, self.settings, references, self.work_dir,
+                                lambda: self._progress(number, run, run_start, first_update))
+                except (RunFailed, UsageError, ValueError) as failure:
+                    logger.error("run %d of %d, %s FAILED: %s", number, len(self.runs), run.name, failure)
+                    failures.append((run, str(failure).splitlines()[0]))
+                    continue
+                finally:
+                    self.trained_updates += max(0, last_update(run.path("logs", "train.log")) - first_update)
+                    self.training_seconds += time.time() - run_start
+            if after_run:
+                try:
+                    after_run(run)
+                except (RunFailed, UsageError, ValueError) as failure:
+                    logger.error("%s: FAILED: %s", run.name, failure)
+                    failures.append((run, str(failure).splitlines()[0]))
+        return failures
+
+    def hypotheses(self) -> List[Tuple[str, Dict[int, List[str]]]]:
+        """[(system, {seed: hypotheses})] of the finished runs, in the grid's order."""
+        systems: Dict[str, Dict[int, List[str]]] = {}
+        for run in self.runs:
+            if run.finished:
+                systems.setdefault(run.system.name, {})[run.seed] = run.hypotheses()
+        return list(systems.items())
+
+
+def report_failures(failures: List[Tuple[Run, str]]) -> None:
+    if failures:
+        logger.error("%d run(s) failed (the others completed; rerun to retry them):", len(failures))
+        for run, message in failures:
+            logger.error("  %s: %s", run.name, message)
+
+

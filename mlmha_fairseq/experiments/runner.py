@@ -1,0 +1,78 @@
+"""The experiment runner: a grid of systems x training seeds from a TOML file (:mod:`.config`)
+on a corpus (:mod:`.corpora`), its runs (:mod:`.grid`), then one MultEval-style table (mean ±
+sd over seeds, s_sel, approximate randomization over the replicates, sacreBLEU's paired
+bootstrap per seed) as Markdown, LaTeX, JSON and PNG. ``python -m mlmha_fairseq.cli.experiment``
+is its command line."""
+import logging
+import os
+import sys
+import time
+
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.evaluation.text_io import read_lines
+from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
+from mlmha_fairseq.experiments.corpora import prepare_corpus
+from mlmha_fairseq.experiments.grid import Grid, minutes, report_failures
+from mlmha_fairseq.output_files import exclusive_folder
+
+logger = logging.getLogger("mlmha_fairseq.experiment")
+
+
+def writable_folder(path: str, what: str) -> str:
+    """``path``, refused up front (before any training) unless it is or can be a folder this
+    process may write into."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{what} {path} exists and is not a folder")
+    if not os.access(path if os.path.isdir(path) else parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path} is not writable")
+    return path
+
+
+def run_grid(args, experiment: Experiment, work_dir: str) -> int:
+    from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
+
+    corpus, target = prepare_corpus(experiment.corpus, work_dir)
+    settings = settings_from(experiment, os.path.join(corpus, "data-bin"), target, args.max_update)
+    references = read_lines(os.path.join(corpus, "text", f"test.raw.{target}"))
+    grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
+    logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
+                len(grid.runs), settings.budget, work_dir)
+    failures = [] if args.report_only else grid.execute(references)
+    systems = grid.hypotheses()
+    tabled = bool(systems) and systems[0][0] == experiment.baseline
+    if tabled:
+        report = build_report(systems, [references],
+                              ReplicateOptions(args.bootstrap_samples, args.ar_trials))
+        table = write_report(report, os.path.join(work_dir, "results"), settings.budget,
+                             os.path.basename(args.config))
+        print("\n" + table)
+        logger.info("results: %s.{md,tex,json,png}", os.path.join(work_dir, "results"))
+    else:
+        logger.error("no finished run of the baseline %s: no table", experiment.baseline)
+    report_failures(failures)
+    logger.info("finished in %s", minutes(time.time() - grid.start))
+    return 0 if tabled and not failures else 1
+
+
+def run(args) -> int:
+    """Run (or with ``args.report_only`` only tabulate) the grid of ``args.config``; the exit
+    status: 0 when a table is written and no run failed, 1 otherwise, 2 for input refused."""
+    # force: importing fairseq (its wav2vec2_classification module) already called
+    # logging.basicConfig(level=DEBUG), which would keep its format and let matplotlib's DEBUG through
+    logging.basicConfig(format="[experiment %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO,
+                        force=True)
+    try:
+        experiment = load_config(args.config)
+        if args.seeds is not None:
+            experiment.seeds = seeds_from(args.seeds, "--seeds")
+        work_dir = writable_folder(args.work_dir or experiment.work_dir, "work directory")
+        if args.report_only:  # reads finished runs only (their files are written atomically)
+            return run_grid(args, experiment, work_dir)
+        with exclusive_folder(work_dir, "work directory"):
+            return run_grid(args, experiment, work_dir)
+    except UsageError as error:
+        print(f"experiment: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
