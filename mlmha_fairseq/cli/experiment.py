@@ -23,6 +23,8 @@ Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir D
     max_tokens = 4096  # or batch_size = 96 (sentences)
     average_last = 0  # k > 0: decode the average of the last k update checkpoints
     save_interval_updates = 100  # default: max_update / 4
+    lr = 2e-3  # Adam's peak learning rate (inverse square root schedule)
+    warmup_updates = 80  # default: max_update / 5
     model_args = [...]  # default: the demo's model (d=128, 3+3 layers)
     train_args = []  # added to every fairseq-train command
     generate_args = []  # added to every fairseq-generate command
@@ -34,6 +36,16 @@ Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir D
     target = "en"
     train_verses = 10000
     bpe_merges = 4000
+
+    [convergence]  # train to convergence: max_update becomes the cap
+    validate_every = 200  # validation BLEU and loss every K updates (the learning curve)
+    patience = 5  # stop once validation BLEU has not improved for P evaluations
+
+With ``[convergence]`` the decoded checkpoint is the one of best validation BLEU (or the average
+of the last ``average_last`` checkpoints), and the report adds the learning curves
+(``results-curves.png``: validation BLEU and loss per system, mean and seed band), the update
+at which each seed stopped, and the systems compared at matched updates
+(``results-curves.{md,json}``).
 """
 import sys
 

@@ -171,3 +171,31 @@ def plot_replicates(names: Sequence[str], per_seed: Sequence[Sequence[float]], m
         axis.set_title(title, fontsize="medium")
     axis.legend(fontsize="small")
     save_figure(figure, path)
+
+
+def plot_learning_curves(systems: Dict[str, Dict[int, Dict[str, Sequence[Tuple[float, float]]]]],
+                         stats: Sequence[Tuple[str, str]], path: str) -> None:
+    """One panel per ``(stat, label)`` (e.g. validation BLEU and loss) against updates: per
+    system the mean over its seeds (solid), the seed band (mean ± sd over the seeds that
+    reached that update) and an ``x`` where each seed stopped."""
+    plt = pyplot()
+    figure, axes = plt.subplots(1, len(stats), figsize=(LINE_FIGSIZE[0] * len(stats) / 1.4, LINE_FIGSIZE[1] + 0.6))
+    for axis, (stat, label) in zip(np.atleast_1d(axes), stats):
+        for index, (name, seeds) in enumerate(systems.items()):
+            points: Dict[float, list] = {}
+            for curves in seeds.values():
+                for update, value in curves.get(stat, ()):
+                    points.setdefault(update, []).append(value)
+                if curves.get(stat):
+                    axis.plot(*curves[stat][-1], "x", color=f"C{index}")
+            if not points:
+                continue
+            updates = sorted(points)
+            mean = np.array([np.mean(points[u]) for u in updates])
+            spread = np.array([np.std(points[u], ddof=1) if len(points[u]) > 1 else 0.0 for u in updates])
+            axis.plot(updates, mean, color=f"C{index}", label=f"{name} ({len(seeds)} seeds)")
+            axis.fill_between(updates, mean - spread, mean + spread, color=f"C{index}", alpha=0.2)
+        axis.set_xlabel("updates")
+        axis.set_ylabel(label)
+    np.atleast_1d(axes)[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save_figure(figure, path)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.experiments.grid import MODEL, TOKEN_BATCHES, Batching, Settings
+from mlmha_fairseq.experiments.grid import MODEL, TOKEN_BATCHES, Batching, Convergence, Settings
 from mlmha_fairseq.experiments.systems import System, lookup
 
 
@@ -50,7 +50,14 @@ SCHEMA = {
     "model_args": (_arguments, "a list of command-line words"),
     "train_args": (_arguments, "a list of command-line words"),
     "generate_args": (_arguments, "a list of command-line words"),
+    "lr": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"),
+    "warmup_updates": (_positive, "a positive integer"),
     "corpus": (lambda v: isinstance(v, dict), "a table ([corpus])"),
+    "convergence": (lambda v: isinstance(v, dict), "a table ([convergence])"),
+}
+CONVERGENCE_SCHEMA = {
+    "validate_every": (_positive, "a positive integer (updates between validations)"),
+    "patience": (_positive, "a positive integer (validations without a gain before the run stops)"),
 }
 CORPUS_SCHEMA = {
     "dir": (_text, "a folder"),
@@ -65,7 +72,6 @@ SYSTEM_SCHEMA = {
     "arch": (_text, "a registered architecture"),
     "args": (_arguments, "a list of command-line words"),
 }
-KNOWN_KEYS = set(SCHEMA)
 
 
 def check_table(table: Dict, schema: Dict, where: str) -> None:
@@ -145,6 +151,16 @@ def load_config(path: str) -> Experiment:
     if baseline not in names:
         raise UsageError(f"{path}: baseline {baseline!r} is not one of the systems {names}")
     systems.sort(key=lambda system: system.name != baseline)  # the baseline first
+    convergence = config.get("convergence")
+    if convergence is not None:
+        check_table(convergence, CONVERGENCE_SCHEMA, f"{path}: [convergence]")
+        missing = sorted(set(CONVERGENCE_SCHEMA) - set(convergence))
+        if missing:
+            raise UsageError(f"{path}: [convergence] needs {' and '.join(missing)}")
+        unsupported = [system.name for system in systems if system.task_options]
+        if unsupported:  # validation BLEU (--eval-bleu) is the translation task's
+            raise UsageError(f"{path}: [convergence] needs validation BLEU, which the multi-source task does "
+                             f"not compute yet: remove {unsupported} or the [convergence] table")
     corpus = config.get("corpus", {})
     check_table(corpus, CORPUS_SCHEMA, f"{path}: [corpus]")
     if not (corpus.get("dir") or corpus.get("sources")):
@@ -168,4 +184,7 @@ def settings_from(experiment: Experiment, data_bin: str, target: str, max_update
         generate_args=[str(a) for a in config.get("generate_args", [])],
         average_last=int(config.get("average_last", 0)),
         save_interval_updates=int(config.get("save_interval_updates", 0)),
+        lr=float(config.get("lr", 2e-3)),
+        warmup_updates=int(config.get("warmup_updates", 0)),
+        convergence=Convergence(**config["convergence"]) if "convergence" in config else None,
     )

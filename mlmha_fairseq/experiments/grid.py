@@ -103,6 +103,17 @@ def run_command(command: List[str], log_path: str, work_dir: str,
     logger.info("  done in %.0f s", time.time() - start)
 
 
+class Convergence(NamedTuple):
+    """Train until validation BLEU has not improved for ``patience`` evaluations, one every
+    ``validate_every`` updates (fairseq's ``--patience``), or until ``max_update``."""
+
+    validate_every: int
+    patience: int
+
+
+EPOCHS_NEVER = 1_000_000  # an epoch interval no run reaches
+
+
 @dataclass
 class Settings:
     """What every run of a grid shares."""
@@ -117,10 +128,33 @@ class Settings:
     generate_args: List[str] = field(default_factory=list)
     average_last: int = 0
     save_interval_updates: int = 0  # 0: max_update / 4
+    lr: float = 2e-3
+    warmup_updates: int = 0  # 0: max_update / 5
+    convergence: Optional[Convergence] = None
 
     @property
     def budget(self) -> str:
-        return f"{self.max_update} updates of {self.batching.size:,} {self.batching.unit} each"
+        budget = f"{self.max_update} updates of {self.batching.size:,} {self.batching.unit} each"
+        if self.convergence:
+            budget = (f"up to {budget}, stopped when validation BLEU has not improved for "
+                      f"{self.convergence.patience} evaluations (one every {self.convergence.validate_every} updates)")
+        return budget
+
+    def convergence_options(self) -> List:
+        """fairseq-train's own options for validation BLEU every K updates, checkpoint_best.pt
+        chosen by it, and the stop after P evaluations without a gain (``--patience``); epoch
+        ends neither validate nor save, so that every point of a curve is K updates apart."""
+        if not self.convergence:
+            return []
+        every = self.convergence.validate_every
+        generation = {"beam": self.beam, "max_len_a": 1.2, "max_len_b": 10}
+        return [
+            "--eval-bleu", "--eval-bleu-args", json.dumps(generation), "--eval-bleu-remove-bpe",
+            "--eval-bleu-detok", "moses", "--eval-bleu-detok-args", json.dumps({"target_lang": self.target}),
+            "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+            "--patience", self.convergence.patience, "--validate-interval-updates", every,
+            "--validate-interval", EPOCHS_NEVER, "--save-interval", EPOCHS_NEVER, "--log-format", "json",
+        ]
 
 
 @dataclass
@@ -159,7 +193,7 @@ def last_update(log_path: str) -> int:
     if not os.path.isfile(log_path):
         return 0
     with open(log_path, errors="replace") as log:
-        found = re.findall(r"num_updates[=\s|]+(\d+)", log.read())
+        found = re.findall(r"num_updates\"?[=\s|:\"]+(\d+)", log.read())  # simple and json log formats
     return int(found[-1]) if found else 0
 
 
@@ -199,7 +233,8 @@ def usable_last_checkpoint(run: Run) -> int:
 def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     """fairseq-train into ``run.checkpoints``; fairseq restores ``checkpoint_last.pt`` there
     when a previous attempt was stopped. Keeps the last update checkpoints for averaging."""
-    interval = settings.save_interval_updates or max(1, settings.max_update // 4)
+    interval = (settings.convergence.validate_every if settings.convergence
+                else settings.save_interval_updates or max(1, settings.max_update // 4))
     done = usable_last_checkpoint(run)
     if done >= settings.max_update:
         # fairseq-train steps before it checks --max-update, so restarting it here would train
@@ -211,13 +246,15 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     run_command(fairseq(
         "train", settings.data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch,
         *settings.model_args,
-        "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "2e-3",
-        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", max(1, settings.max_update // 5),
+        "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", f"{settings.lr:g}",
+        "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", settings.warmup_updates or max(1, settings.max_update // 5),
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         settings.batching.option, settings.batching.size, "--max-update", settings.max_update,
         "--save-dir", run.checkpoints, "--no-epoch-checkpoints",
         "--save-interval-updates", interval, "--keep-interval-updates", max(1, settings.average_last),
         "--seed", run.seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
+        *settings.convergence_options(),
         *settings.train_args,
         *system.options,  # last: a system may replace the criterion
     ), run.path("logs", "train.log"), work_dir, on_poll)

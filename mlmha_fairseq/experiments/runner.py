@@ -12,6 +12,7 @@ from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.text_io import read_lines
 from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
 from mlmha_fairseq.experiments.corpora import prepare_corpus
+from mlmha_fairseq.experiments.curves import write_curve_report
 from mlmha_fairseq.experiments.grid import Grid, minutes, report_failures
 from mlmha_fairseq.output_files import exclusive_folder
 
@@ -52,6 +53,11 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
         logger.info("results: %s.{md,tex,json,png}", os.path.join(work_dir, "results"))
     else:
         logger.error("no finished run of the baseline %s: no table", experiment.baseline)
+    if settings.convergence:  # the curves so far, finished runs or not
+        curves = write_curve_report(grid, os.path.join(work_dir, "results-curves"))
+        if curves:
+            print("\n" + curves)
+            logger.info("learning curves: %s.{png,md,json}", os.path.join(work_dir, "results-curves"))
     report_failures(failures)
     logger.info("finished in %s", minutes(time.time() - grid.start))
     return 0 if tabled and not failures else 1

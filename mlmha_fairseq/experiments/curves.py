@@ -1,0 +1,90 @@
+"""Learning curves of a grid trained with ``[convergence]``: validation BLEU and loss of every
+run against updates (from fairseq-train's own JSON log), the update at which each seed stopped,
+and the systems compared at matched updates.
+
+The comparison at matched updates answers "is system X better at the same training cost?"
+where the final checkpoints of runs that stopped at different updates do not: it takes the
+last validation that every run of the grid reached and reports each system's mean ± sd of
+validation BLEU there.
+"""
+import statistics
+from typing import Dict, List, Optional, Tuple
+
+from mlmha_fairseq.evaluation.plotting import plot_learning_curves
+from mlmha_fairseq.evaluation.text_io import InputError, write_json, write_text
+from mlmha_fairseq.evaluation.training_curves import read_log_curves
+from mlmha_fairseq.experiments.grid import Grid, Run, last_update
+
+STATS = (("bleu", "validation BLEU"), ("loss", "validation loss"))
+Curve = List[Tuple[float, float]]
+
+
+def run_curves(run: Run) -> Dict[str, Curve]:
+    """``{"bleu": [(update, value), ...], "loss": [...]}`` of one run's validations (empty
+    lists before its first validation)."""
+    curves = {}
+    for stat, _ in STATS:
+        try:
+            curves[stat] = read_log_curves(run.path("logs", "train.log"), stat)["valid"]
+        except InputError:  # no log yet, or no validation logged yet
+            curves[stat] = []
+    return curves
+
+
+def _mean_sd(values: List[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.2f} ± {sd:.2f}"
+
+
+def matched_update(curves: Dict[str, Dict[int, Dict[str, Curve]]]) -> Optional[float]:
+    """The last update at which every run with a curve was validated (None: no common one)."""
+    common = None
+    for seeds in curves.values():
+        for run in seeds.values():
+            updates = {update for update, _ in run["bleu"]}
+            common = updates if common is None else common & updates
+    return max(common) if common else None
+
+
+def curve_report(grid: Grid) -> Dict:
+    """Per system and seed: where the run stopped, its best validation BLEU and when; the
+    systems at the matched update."""
+    curves: Dict[str, Dict[int, Dict[str, Curve]]] = {}
+    for run in grid.runs:
+        run_curve = run_curves(run)
+        if run_curve["bleu"]:
+            curves.setdefault(run.system.name, {})[run.seed] = run_curve
+    seeds = {}
+    for name, runs in curves.items():
+        seeds[name] = {}
+        for seed, run_curve in runs.items():
+            best_update, best = max(run_curve["bleu"], key=lambda point: (point[1], -point[0]))
+            run = next(r for r in grid.runs if r.system.name == name and r.seed == seed)
+            seeds[name][seed] = {"stopped_at": last_update(run.path("logs", "train.log")), "finished": run.finished,
+                                 "best_bleu": best, "best_update": best_update, "validations": len(run_curve["bleu"])}
+    update = matched_update(curves)
+    matched = {name: [dict(run["bleu"])[update] for run in runs.values()] for name, runs in curves.items()
+               } if update is not None else {}
+    return {"curves": curves, "seeds": seeds, "matched_update": update, "matched_bleu": matched}
+
+
+def write_curve_report(grid: Grid, prefix: str) -> str:
+    """``<prefix>.png`` (the curves), ``<prefix>.json`` and ``<prefix>.md``; returns the Markdown."""
+    report = curve_report(grid)
+    if not report["curves"]:
+        return ""
+    plot_learning_curves(report["curves"], STATS, prefix + ".png")
+    lines = ["| system | seed | stopped at update | finished | best validation BLEU | at update | validations |",
+             "|---|---|---|---|---|---|---|"]
+    for name, seeds in report["seeds"].items():
+        for seed, row in sorted(seeds.items()):
+            lines.append(f"| {name} | {seed} | {row['stopped_at']} | {'yes' if row['finished'] else 'no'} | "
+                         f"{row['best_bleu']:.2f} | {row['best_update']:.0f} | {row['validations']} |")
+    if report["matched_update"] is not None:
+        lines += ["", f"Validation BLEU at update {report['matched_update']:.0f}, the last that every run reached "
+                      "(mean ± sd over seeds):", "", "| system | validation BLEU | seeds |", "|---|---|---|"]
+        lines += [f"| {name} | {_mean_sd(values)} | {len(values)} |" for name, values in report["matched_bleu"].items()]
+    text = "\n".join(lines) + "\n"
+    write_text(prefix + ".md", text)
+    write_json(prefix + ".json", {key: report[key] for key in ("seeds", "matched_update", "matched_bleu", "curves")})
+    return text

@@ -1,0 +1,92 @@
+"""Learning curves and the convergence stop of the experiment runner: the report's arithmetic on
+logs written by hand, and one toy grid trained through fairseq-train's own --patience."""
+import json
+import os
+
+import pytest
+
+from mlmha_fairseq.cli import experiment
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.experiments import curves, grid, systems
+from mlmha_fairseq.experiments.config import load_config
+from test_demo import tiny_corpus
+
+
+def write_log(run: grid.Run, validations):
+    """A fairseq-train JSON log with one ``valid`` record per ``(update, bleu, loss)``."""
+    os.makedirs(run.path("logs"), exist_ok=True)
+    lines = [f'2026-01-01 00:00:00 | INFO | valid | {{"epoch": 1, "valid_loss": "{loss}", "valid_bleu": "{bleu}", '
+             f'"valid_num_updates": "{update}"}}' for update, bleu, loss in validations]
+    with open(run.path("logs", "train.log"), "w") as log:
+        log.write("\n".join(lines) + "\n")
+
+
+def test_the_report_finds_each_seeds_best_and_stop_and_compares_at_the_last_common_update(tmp_path):
+    baseline, other = systems.lookup("transformer"), systems.lookup("mlmha M-00")
+    runs = grid.Grid([baseline, other], [1, 2], grid.Settings("bin", "en", 1000), str(tmp_path))
+    logs = {
+        ("Transformer (fairseq)", 1): [(200, 1.0, 7.0), (400, 2.0, 6.0), (600, 1.5, 5.9)],
+        ("Transformer (fairseq)", 2): [(200, 1.2, 7.1), (400, 2.6, 6.1), (600, 3.0, 5.8), (800, 2.9, 5.7)],
+        ("MLMHA M-00", 1): [(200, 3.0, 6.5), (400, 5.0, 5.5)],  # still training: stopped nowhere yet
+        ("MLMHA M-00", 2): [(200, 2.0, 6.6), (400, 4.0, 5.6), (600, 4.0, 5.4)],  # a tie: the earlier is best
+    }
+    for run in runs.runs:
+        write_log(run, logs[(run.system.name, run.seed)])
+    report = curves.curve_report(runs)
+    assert report["matched_update"] == 400  # the last validation every run reached
+    assert report["matched_bleu"] == {"Transformer (fairseq)": [2.0, 2.6], "MLMHA M-00": [5.0, 4.0]}
+    assert report["seeds"]["Transformer (fairseq)"][2] == {
+        "stopped_at": 800, "finished": False, "best_bleu": 3.0, "best_update": 600, "validations": 4}
+    assert report["seeds"]["MLMHA M-00"][2]["best_update"] == 400
+    assert report["curves"]["MLMHA M-00"][1]["loss"] == [(200, 6.5), (400, 5.5)]
+
+    text = curves.write_curve_report(runs, str(tmp_path / "results-curves"))
+    assert "| Transformer (fairseq) | 2 | 800 | no | 3.00 | 600 | 4 |" in text
+    assert "Validation BLEU at update 400" in text and "| MLMHA M-00 | 4.50 ± 0.71 | 2 |" in text
+    assert (tmp_path / "results-curves.png").stat().st_size > 0
+    assert json.loads((tmp_path / "results-curves.json").read_text())["matched_update"] == 400
+
+
+def test_a_run_without_validations_yet_has_no_curve(tmp_path):
+    runs = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 10), str(tmp_path))
+    assert curves.curve_report(runs)["curves"] == {}
+    assert curves.write_curve_report(runs, str(tmp_path / "results-curves")) == ""
+    assert not (tmp_path / "results-curves.png").exists()
+
+
+CONVERGENCE = """
+work_dir = "{work}"
+systems = ["transformer"]
+max_update = 80
+max_tokens = 400
+beam = 1
+[convergence]
+validate_every = 4
+patience = 2
+[corpus]
+dir = "{corpus}"
+"""
+
+
+def test_a_run_stops_once_validation_bleu_has_not_improved_for_patience_evaluations(tmp_path):
+    work, config = tmp_path / "work", tmp_path / "grid.toml"
+    config.write_text(CONVERGENCE.format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
+    assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
+    # fairseq's --patience: the run ends at the P-th validation after its best, before the cap
+    assert seed["stopped_at"] == seed["best_update"] + 2 * 4 < 80
+    assert seed["validations"] == seed["stopped_at"] // 4
+    assert (work / "results-curves.png").stat().st_size > 0
+    scores = json.loads((work / "runs" / "transformer--fairseq" / "seed1" / "scores.json").read_text())
+    assert scores["checkpoint"].endswith("checkpoint_best.pt")  # the checkpoint of best validation BLEU
+
+
+@pytest.mark.parametrize("table, message", [
+    ("[convergence]\npatience = 2", r"\[convergence\] needs validate_every"),
+    ("[convergence]\nvalidate_every = 0\npatience = 2", "validate_every must be a positive integer"),
+])
+def test_a_bad_convergence_table_is_refused(tmp_path, table, message):
+    config = tmp_path / "grid.toml"
+    config.write_text(f'systems = ["transformer"]\n{table}\n[corpus]\ndir = "x"\n')
+    with pytest.raises(UsageError, match=message):
+        load_config(str(config))
