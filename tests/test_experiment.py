@@ -74,6 +74,22 @@ def test_grid_completes_reports_its_failure_and_skips_finished_runs(tmp_path, ca
         "Transformer (fairseq)", "MLMHA M-00"]
 
 
+def test_parallel_runs_give_the_same_results_as_one_at_a_time(tmp_path, corpus):
+    grids = {}
+    for jobs in (1, 2):
+        work, config = tmp_path / f"jobs{jobs}", tmp_path / f"jobs{jobs}.toml"
+        config.write_text(f'work_dir = "{work}"\nsystems = ["transformer", "MLMHA M-00"]\nmax_update = 3\n'
+                          f'beam = 1\n[corpus]\ndir = "{corpus}"\n')
+        assert experiment.main([str(config), "--jobs", str(jobs), "--threads", "1", "--ar-trials", "10",
+                                "--bootstrap-samples", "10"]) == 0
+        trainings = [line for line in commands(work) if "fairseq_cli.train" in line]
+        assert len(trainings) == 2 and all(" OMP_NUM_THREADS=1 " in line for line in trainings)
+        grids[jobs] = {run: ((work / "runs" / run / "seed1" / "hypotheses.txt").read_text(),
+                             json.loads((work / "runs" / run / "seed1" / "scores.json").read_text())["bleu"])
+                       for run in ("transformer--fairseq", "mlmha-m-00")}
+    assert grids[1] == grids[2]
+
+
 def _processes_mentioning(text: str):
     """PIDs of live processes whose command line contains ``text``."""
     found = []

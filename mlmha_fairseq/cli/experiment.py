@@ -9,7 +9,9 @@ others go on (exit status 1 at the end, as when no run of the baseline has finis
 table is written). Every command is printed with its log file and appended to
 ``<work_dir>/commands.log``.
 
-Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir DIR]``;
+Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir DIR] [--jobs N]``;
+``--jobs N`` trains N runs at a time (on a GPU machine one per visible GPU by default, each
+given its own through ``CUDA_VISIBLE_DEVICES``), with the same results as one at a time;
 ``examples/experiment/demo.toml`` is the quick demo's grid with 3 seeds. Config keys::
 
     work_dir = "work-experiment"  # runs/, logs/, results.* (relative to the current folder)
@@ -59,6 +61,11 @@ def parse_args(argv=None):
     parser.add_argument("--seeds", type=cli_support.positive_int, help="run seeds 1..N (overrides the file's seeds)")
     parser.add_argument("--work-dir", help="overrides the file's work_dir")
     parser.add_argument("--max-update", type=cli_support.positive_int, help="overrides the file's max_update")
+    parser.add_argument("--jobs", type=cli_support.positive_int,
+                        help="runs trained at a time (default: one per visible GPU, or 1 on the CPU); each is its "
+                             "own fairseq-train, in its own run folder")
+    parser.add_argument("--threads", type=cli_support.positive_int,
+                        help="intra-op threads per run (OMP_NUM_THREADS; default: the CPU cores / --jobs)")
     parser.add_argument("--report-only", action="store_true",
                         help="write the table of the runs finished so far; train nothing")
     parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials (default: %(default)s)")

@@ -6,14 +6,18 @@ its ``checkpoint_last.pt`` (fairseq-train's own restore); a run that fails is re
 others go on. Every command is printed with its log file and appended to
 ``<work_dir>/commands.log``.
 """
+import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -74,19 +78,22 @@ def _end_with_parent() -> None:
 
 
 def run_command(command: List[str], log_path: str, work_dir: str,
-                on_poll: Optional[Callable[[], None]] = None) -> None:
-    """Run ``command`` with its output into ``log_path``, print and record it in
-    ``<work_dir>/commands.log``; ``on_poll`` is called every POLL_SECONDS while it runs.
+                on_poll: Optional[Callable[[], None]] = None, env: Optional[Dict[str, str]] = None) -> None:
+    """Run ``command`` (``env``: added to its environment) with its output into ``log_path``,
+    print and record it in ``<work_dir>/commands.log``; ``on_poll`` is called every
+    POLL_SECONDS while it runs.
     Raises :class:`RunFailed` when it fails: the first line says which tool failed and the
     last line of its log (e.g. fairseq's one-line error), then the command and the log's tail."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    line = " ".join(command)
+    line = " ".join(f"{name}={value}" for name, value in sorted((env or {}).items()))
+    line = f"{line} {' '.join(command)}".strip()
     logger.info("$ %s\n  (log: %s)", line, log_path)
     with open(os.path.join(work_dir, "commands.log"), "a", encoding="utf-8") as record:
         record.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} > {log_path}\n")
     start = time.time()
     with open(log_path, "a") as log:  # a resumed run adds to its log
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent,
+                                   env={**os.environ, **env} if env else None)
         while True:
             try:
                 returncode = process.wait(timeout=POLL_SECONDS)
@@ -131,6 +138,12 @@ class Settings:
     lr: float = 2e-3
     warmup_updates: int = 0  # 0: max_update / 5
     convergence: Optional[Convergence] = None
+    cpu: bool = True  # fairseq's --cpu; False on a machine with GPUs
+    env: Dict[str, str] = field(default_factory=dict)  # added to the environment of the run's commands
+
+    @property
+    def device_args(self) -> List[str]:
+        return ["--cpu"] if self.cpu else []
 
     @property
     def budget(self) -> str:
@@ -253,11 +266,11 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         settings.batching.option, settings.batching.size, "--max-update", settings.max_update,
         "--save-dir", run.checkpoints, "--no-epoch-checkpoints",
         "--save-interval-updates", interval, "--keep-interval-updates", max(1, settings.average_last),
-        "--seed", run.seed, "--cpu", "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
+        "--seed", run.seed, *settings.device_args, "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
         *settings.convergence_options(),
         *settings.train_args,
         *system.options,  # last: a system may replace the criterion
-    ), run.path("logs", "train.log"), work_dir, on_poll)
+    ), run.path("logs", "train.log"), work_dir, on_poll, settings.env)
     write_text(run.path("train.done"), "")
 
 
@@ -284,9 +297,9 @@ def decode(run: Run, settings: Settings, checkpoint: str, output: str, work_dir:
         "generate", settings.data_bin, "--user-dir", USER_DIR, *run.system.task_options, *extra,
         "--path", checkpoint, "--beam", settings.beam,
         "--remove-bpe", "--batch-size", "64", "--required-batch-size-multiple", "1",
-        "--max-len-a", "1.2", "--max-len-b", "10", "--cpu", "--results-path", output,
+        "--max-len-a", "1.2", "--max-len-b", "10", *settings.device_args, "--results-path", output,
         *settings.generate_args,
-    ), run.path("logs", f"{os.path.basename(output)}.log"), work_dir)
+    ), run.path("logs", f"{os.path.basename(output)}.log"), work_dir, env=settings.env)
     return os.path.join(output, "generate-test.txt")
 
 
@@ -337,7 +350,8 @@ class Grid:
                      for seed in seeds for system in systems]
         self.start = time.time()
         self.trained_updates = 0  # in this session, for the time estimate
-        self.training_seconds = 0.0
+        self.training_seconds = 0.0  # summed over runs (several at a time with jobs > 1)
+        self._lock = threading.Lock()
 
     def _progress(self, number: int, run: Run, run_start: float, first_update: int) -> None:
         done = last_update(run.path("logs", "train.log"))
@@ -350,39 +364,60 @@ class Grid:
                     len(self.runs), run.name, done, self.settings.max_update, minutes(time.time() - self.start),
                     remaining)
 
-    def execute(self, references: List[str],
-                after_run: Optional[Callable[[Run], None]] = None) -> List[Tuple[Run, str]]:
-        """Run what is not finished; return the failures as (run, message).
-        ``after_run`` is called after each finished run (e.g. extra decodings)."""
-        failures = []
-        for number, run in enumerate(self.runs, 1):
-            if run.finished:
-                logger.info("run %d of %d, %s: finished earlier, skipped", number, len(self.runs), run.name)
-            else:
-                first_update = last_update(run.path("logs", "train.log"))
-                verb = "resumes from its last checkpoint" if os.path.isfile(
-                    os.path.join(run.checkpoints, "checkpoint_last.pt")) else "starts"
-                logger.info("run %d of %d, %s: %s (%d updates, %s)", number, len(self.runs), run.name, verb,
-                            self.settings.max_update, run.directory)
-                run_start = time.time()
-                try:
-                    with exclusive_folder(run.directory, "run folder"):
-                        execute(run, self.settings, references, self.work_dir,
-                                lambda: self._progress(number, run, run_start, first_update))
-                except (RunFailed, UsageError, ValueError) as failure:
-                    logger.error("run %d of %d, %s FAILED: %s", number, len(self.runs), run.name, failure)
-                    failures.append((run, str(failure).splitlines()[0]))
-                    continue
-                finally:
+    def execute(self, references: List[str], after_run: Optional[Callable[[Run], None]] = None,
+                jobs: int = 1, slot_env: Optional[Callable[[int], Dict[str, str]]] = None) -> List[Tuple[Run, str]]:
+        """Run what is not finished, ``jobs`` runs at a time; return the failures as (run,
+        message) in the grid's order. ``slot_env(k)`` is added to the environment of the
+        commands of the runs in slot k (0 .. jobs-1: its threads, its GPU). ``after_run`` is
+        called after each finished run (e.g. extra decodings)."""
+        slots: "queue.Queue[int]" = queue.Queue()
+        for slot in range(jobs):
+            slots.put(slot)
+
+        def in_a_slot(number: int, run: Run) -> List[Tuple[Run, str]]:
+            slot = slots.get()
+            try:
+                settings = self.settings
+                if slot_env:
+                    settings = dataclasses.replace(settings, env={**settings.env, **slot_env(slot)})
+                return self._execute_one(number, run, references, after_run, settings)
+            finally:
+                slots.put(slot)
+
+        # threads only wait for their fairseq commands: the runs themselves are processes
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            outcomes = list(pool.map(in_a_slot, range(1, len(self.runs) + 1), self.runs))
+        return [failure for failures in outcomes for failure in failures]
+
+    def _execute_one(self, number: int, run: Run, references: List[str], after_run, settings: Settings
+                     ) -> List[Tuple[Run, str]]:
+        if run.finished:
+            logger.info("run %d of %d, %s: finished earlier, skipped", number, len(self.runs), run.name)
+        else:
+            first_update = last_update(run.path("logs", "train.log"))
+            verb = "resumes from its last checkpoint" if os.path.isfile(
+                os.path.join(run.checkpoints, "checkpoint_last.pt")) else "starts"
+            logger.info("run %d of %d, %s: %s (%d updates, %s)", number, len(self.runs), run.name, verb,
+                        settings.max_update, run.directory)
+            run_start = time.time()
+            try:
+                with exclusive_folder(run.directory, "run folder"):
+                    execute(run, settings, references, self.work_dir,
+                            lambda: self._progress(number, run, run_start, first_update))
+            except (RunFailed, UsageError, ValueError) as failure:
+                logger.error("run %d of %d, %s FAILED: %s", number, len(self.runs), run.name, failure)
+                return [(run, str(failure).splitlines()[0])]
+            finally:
+                with self._lock:
                     self.trained_updates += max(0, last_update(run.path("logs", "train.log")) - first_update)
                     self.training_seconds += time.time() - run_start
-            if after_run:
-                try:
-                    after_run(run)
-                except (RunFailed, UsageError, ValueError) as failure:
-                    logger.error("%s: FAILED: %s", run.name, failure)
-                    failures.append((run, str(failure).splitlines()[0]))
-        return failures
+        if after_run:
+            try:
+                after_run(run)
+            except (RunFailed, UsageError, ValueError) as failure:
+                logger.error("%s: FAILED: %s", run.name, failure)
+                return [(run, str(failure).splitlines()[0])]
+        return []
 
     def hypotheses(self) -> List[Tuple[str, Dict[int, List[str]]]]:
         """[(system, {seed: hypotheses})] of the finished runs, in the grid's order."""

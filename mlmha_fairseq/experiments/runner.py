@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from typing import Dict, List
 
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.text_io import read_lines
@@ -32,6 +33,27 @@ def writable_folder(path: str, what: str) -> str:
     return path
 
 
+def visible_gpus() -> List[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them (none: the CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [name.strip() for name in given.split(",") if name.strip()] if given else []
+    return names or [str(index) for index in range(torch.cuda.device_count())]
+
+
+def slot_env(slot: int, threads: int, gpus: List[str]) -> Dict[str, str]:
+    """The environment of the commands of one parallel slot: its intra-op threads (each run
+    gets the same count whatever the number of jobs, so that parallel and sequential runs
+    compute the same) and, on a GPU machine, one GPU (slots share GPUs round-robin)."""
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
+    return env
+
+
 def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 
@@ -41,7 +63,14 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
     logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
                 len(grid.runs), settings.budget, work_dir)
-    failures = [] if args.report_only else grid.execute(references)
+    gpus = visible_gpus()
+    settings.cpu = not gpus
+    jobs = args.jobs or max(1, len(gpus))
+    threads = args.threads or max(1, (os.cpu_count() or 1) // jobs)
+    logger.info("%d run(s) at a time, %d thread(s) each%s", jobs, threads,
+                f", on GPU(s) {', '.join(gpus)}" if gpus else ", on the CPU")
+    failures = [] if args.report_only else grid.execute(references, jobs=jobs,
+                                                        slot_env=lambda slot: slot_env(slot, threads, gpus))
     systems = grid.hypotheses()
     tabled = bool(systems) and systems[0][0] == experiment.baseline
     if tabled:
