@@ -19,7 +19,9 @@ given its own through ``CUDA_VISIBLE_DEVICES``), with the same results as one at
     baseline = "transformer"  # default: the first system
     systems = ["transformer", "mlmha M-00",  # names of mlmha_fairseq.experiments.systems
                { name = "M-00 no dropout", base = "mlmha M-00", args = ["--dropout", "0"] },
-               { name = "my system", arch = "slot_transformer", args = ["--layer-aggregation", "s-agg"] }]
+               { name = "my system", arch = "slot_transformer", args = ["--layer-aggregation", "s-agg"] },
+               # a multi-source system over N-way data (all sources of its [corpus])
+               { name = "es+fr serial", strategy = "serial", sources = ["es", "fr"] }]
     max_update = 400
     beam = 4
     max_tokens = 4096  # or batch_size = 96 (sentences)
@@ -33,11 +35,29 @@ given its own through ``CUDA_VISIBLE_DEVICES``), with the same results as one at
 
     [corpus]  # an existing mlmha_fairseq.cli.build_corpus output ...
     dir = "work-demo/corpus-fr"
-    # ... or what to build (into work_dir/corpus-<sources> unless dir is given)
+    # ... or the Bible corpus to build (into work_dir/corpus-<sources> unless dir is given)
     sources = ["fr"]
     target = "en"
     train_verses = 10000
     bpe_merges = 4000
+
+    [corpus]  # or your raw parallel text: raw/{train,valid,test}.{de,en}, one sentence per line;
+    raw = "raw"  # tokenized (sacremoses), joint BPE (subword-nmt), binarized (fairseq-preprocess)
+    sources = ["de"]  # once, into dir (default work_dir/corpus-de-en), with a manifest
+    target = "en"
+    bpe_merges = 10000
+
+    [corpus]  # or an existing fairseq data-bin
+    data_bin = "data-bin/iwslt14.tokenized.de-en"
+    sources = ["de"]
+    target = "en"
+    test_references = "raw/test.en"  # raw (untokenized) references: what the score compares with
+    postprocess = "subword_nmt"  # fairseq-generate --remove-bpe; or "sentencepiece", "none"
+    detokenize = true  # Moses-detokenize hypotheses (false: they already are plain text)
+
+Every corpus is checked before anything is written: a missing split, misaligned files, a
+dictionary that does not match its data, references of another length are refused in one line
+naming the file.
 
     [convergence]  # train to convergence: max_update becomes the cap
     validate_every = 200  # validation BLEU and loss every K updates (the learning curve)

@@ -4,8 +4,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.experiments.corpora import POSTPROCESS, Corpus
 from mlmha_fairseq.experiments.grid import MODEL, TOKEN_BATCHES, Batching, Convergence, Settings
-from mlmha_fairseq.experiments.systems import System, lookup
+from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES, System, lookup, multi_source_system
 
 
 def _positive(value) -> bool:
@@ -60,7 +61,12 @@ CONVERGENCE_SCHEMA = {
     "patience": (_positive, "a positive integer (validations without a gain before the run stops)"),
 }
 CORPUS_SCHEMA = {
-    "dir": (_text, "a folder"),
+    "dir": (_text, "a folder (a build_corpus output, or where to build)"),
+    "raw": (_text, "a folder of raw parallel text: {train,valid,test}.<language>"),
+    "data_bin": (_text, "a fairseq-preprocess output folder"),
+    "test_references": (_text, "a file of raw test references (with data_bin)"),
+    "postprocess": (lambda v: v in POSTPROCESS, f"one of {sorted(POSTPROCESS)}"),
+    "detokenize": (lambda v: isinstance(v, bool), "true or false (Moses-detokenize hypotheses)"),
     "sources": (_texts, "a list of language codes"),
     "target": (_text, "a language code"),
     "train_verses": (_positive, "a positive integer"),
@@ -71,6 +77,8 @@ SYSTEM_SCHEMA = {
     "base": (_text, "a system name"),
     "arch": (_text, "a registered architecture"),
     "args": (_arguments, "a list of command-line words"),
+    "strategy": (lambda v: v in MULTI_SOURCE_STRATEGIES, f"one of {', '.join(MULTI_SOURCE_STRATEGIES)}"),
+    "sources": (_texts, "a list of the corpus's source languages"),
 }
 
 
@@ -91,14 +99,20 @@ def seeds_from(value, where: str) -> List[int]:
     return list(range(1, value + 1)) if isinstance(value, int) else value
 
 
-def system_from(entry, where: str) -> System:
-    """A registry name, or a table {name, base | arch, args}."""
+def system_from(entry, where: str, target: str = "en") -> System:
+    """A registry name, or a table {name, base | arch, args}, or a multi-source system
+    {name, strategy, sources, args} over the corpus's N-way data (``target``: its target)."""
     if isinstance(entry, dict):
         check_table(entry, SYSTEM_SCHEMA, f"{where}: system {entry.get('name', '(no name)')!r}")
     try:
         if isinstance(entry, str):
             return lookup(entry)
-        if isinstance(entry, dict) and "name" in entry and ("base" in entry) != ("arch" in entry):
+        kinds = [key for key in ("base", "arch", "strategy") if key in entry] if isinstance(entry, dict) else []
+        if isinstance(entry, dict) and "name" in entry and kinds == ["strategy"] and "sources" in entry:
+            system = multi_source_system(entry["name"], entry["sources"], entry["strategy"], target)
+            system.options += [str(a) for a in entry.get("args", [])]
+            return system
+        if isinstance(entry, dict) and "name" in entry and len(kinds) == 1 and "sources" not in entry:
             args = [str(a) for a in entry.get("args", [])]
             if "base" in entry:
                 base = lookup(entry["base"])
@@ -107,8 +121,8 @@ def system_from(entry, where: str) -> System:
             return System(entry["name"], entry["arch"], args)
     except KeyError as error:
         raise UsageError(f"{where}: {error.args[0]}") from None
-    raise UsageError(f"{where}: a system is a registry name or a table with name and either base or arch, "
-                     f"got {entry!r}")
+    raise UsageError(f"{where}: a system is a registry name, a table with name and either base or arch, "
+                     f"or a table with name, strategy and sources (multi-source), got {entry!r}")
 
 
 @dataclass
@@ -137,7 +151,8 @@ def load_config(path: str) -> Experiment:
         raise UsageError(f"{path}: give max_tokens or batch_size, not both")
     if not config.get("systems"):
         raise UsageError(f"{path}: 'systems' must list at least one system")
-    systems = [system_from(entry, path) for entry in config["systems"]]
+    target = config.get("corpus", {}).get("target", "en") if isinstance(config.get("corpus"), dict) else "en"
+    systems = [system_from(entry, path, target) for entry in config["systems"]]
     names = [system.name for system in systems]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
@@ -163,21 +178,26 @@ def load_config(path: str) -> Experiment:
                              f"not compute yet: remove {unsupported} or the [convergence] table")
     corpus = config.get("corpus", {})
     check_table(corpus, CORPUS_SCHEMA, f"{path}: [corpus]")
-    if not (corpus.get("dir") or corpus.get("sources")):
-        raise UsageError(f"{path}: [corpus] needs dir (an existing build_corpus output) or sources to build")
+    if not (corpus.get("dir") or corpus.get("sources") or corpus.get("data_bin")):
+        raise UsageError(f"{path}: [corpus] needs dir (an existing build_corpus output), sources to build, "
+                         "raw (raw parallel text) or data_bin (a fairseq data-bin)")
+    if "raw" in corpus and "data_bin" in corpus:
+        raise UsageError(f"{path}: [corpus] give raw or data_bin, not both")
     return Experiment(systems, seeds_from(config.get("seeds", 1), path),
                       config.get("work_dir", f"work-{os.path.splitext(os.path.basename(path))[0]}"),
                       corpus, config, baseline)
 
 
-def settings_from(experiment: Experiment, data_bin: str, target: str, max_update: Optional[int]) -> Settings:
+def settings_from(experiment: Experiment, corpus: Corpus, max_update: Optional[int]) -> Settings:
     config = experiment.settings
     if "batch_size" in config:
         batching = Batching("--batch-size", int(config["batch_size"]), "sentences")
     else:
         batching = Batching("--max-tokens", int(config.get("max_tokens", TOKEN_BATCHES.size)), "tokens")
     return Settings(
-        data_bin=data_bin, target=target, max_update=int(max_update or config.get("max_update", 400)),
+        data_bin=corpus.data_bin, target=corpus.target, corpus_args=list(corpus.fairseq_args),
+        postprocess=list(corpus.postprocess), detokenize=corpus.detokenize,
+        max_update=int(max_update or config.get("max_update", 400)),
         beam=int(config.get("beam", 4)), batching=batching,
         model_args=[str(a) for a in config.get("model_args", MODEL)],
         train_args=[str(a) for a in config.get("train_args", [])],

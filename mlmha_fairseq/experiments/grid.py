@@ -139,6 +139,9 @@ class Settings:
     warmup_updates: int = 0  # 0: max_update / 5
     convergence: Optional[Convergence] = None
     cpu: bool = True  # fairseq's --cpu; False on a machine with GPUs
+    corpus_args: List[str] = field(default_factory=list)  # the corpus's --source-lang/--target-lang
+    postprocess: List[str] = field(default_factory=lambda: ["--remove-bpe"])  # subwords -> words
+    detokenize: bool = True  # Moses-detokenize hypotheses (the target language's)
     env: Dict[str, str] = field(default_factory=dict)  # added to the environment of the run's commands
 
     @property
@@ -257,7 +260,8 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         return
     system = run.system
     run_command(fairseq(
-        "train", settings.data_bin, "--user-dir", USER_DIR, *system.task_options, "--arch", system.arch,
+        "train", settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
+        "--arch", system.arch,
         *settings.model_args,
         "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", f"{settings.lr:g}",
         "--lr-scheduler", "inverse_sqrt",
@@ -294,17 +298,18 @@ def decode(run: Run, settings: Settings, checkpoint: str, output: str, work_dir:
     """fairseq-generate of the test set into ``output``; returns its generate-test.txt."""
     # --required-batch-size-multiple 1: fairseq's default of 8 drops the last test sentences
     run_command(fairseq(
-        "generate", settings.data_bin, "--user-dir", USER_DIR, *run.system.task_options, *extra,
-        "--path", checkpoint, "--beam", settings.beam,
-        "--remove-bpe", "--batch-size", "64", "--required-batch-size-multiple", "1",
+        "generate", settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *run.system.task_options,
+        *extra, "--path", checkpoint, "--beam", settings.beam,
+        *settings.postprocess, "--batch-size", "64", "--required-batch-size-multiple", "1",
         "--max-len-a", "1.2", "--max-len-b", "10", *settings.device_args, "--results-path", output,
         *settings.generate_args,
     ), run.path("logs", f"{os.path.basename(output)}.log"), work_dir, env=settings.env)
     return os.path.join(output, "generate-test.txt")
 
 
-def detokenized(generate_output: str, target: str) -> List[str]:
-    """The hypotheses of a fairseq-generate output, in input order, Moses-detokenized."""
+def detokenized(generate_output: str, target: Optional[str]) -> List[str]:
+    """The hypotheses of a fairseq-generate output, in input order, Moses-detokenized for the
+    language ``target`` (None: as fairseq-generate wrote them)."""
     return load_hypotheses(generate_output, resolve_protocol("sacrebleu"),
                            TextOptions(input_format="generate", detokenize_lang=target))
 
@@ -318,7 +323,8 @@ def execute(run: Run, settings: Settings, references: List[str], work_dir: str, 
     if not os.path.isfile(run.path("train.done")):
         train(run, settings, work_dir, on_poll)
     checkpoint = checkpoint_to_decode(run, settings)
-    hypotheses = detokenized(decode(run, settings, checkpoint, run.path("generate"), work_dir), settings.target)
+    hypotheses = detokenized(decode(run, settings, checkpoint, run.path("generate"), work_dir),
+                             settings.target if settings.detokenize else None)
     write_text(run.path("hypotheses.txt"), "\n".join(hypotheses) + "\n")
     bleu = corpus_score(hypotheses, [references], resolve_protocol("sacrebleu"))
     chrf = corpus_score(hypotheses, [references], resolve_protocol("chrf"))

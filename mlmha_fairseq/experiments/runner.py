@@ -12,7 +12,7 @@ from typing import Dict, List
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.text_io import read_lines
 from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
-from mlmha_fairseq.experiments.corpora import prepare_corpus
+from mlmha_fairseq.experiments.corpora import check_corpus, prepare_corpus
 from mlmha_fairseq.experiments.curves import write_curve_report
 from mlmha_fairseq.experiments.grid import Grid, minutes, report_failures
 from mlmha_fairseq.output_files import exclusive_folder
@@ -57,9 +57,9 @@ def slot_env(slot: int, threads: int, gpus: List[str]) -> Dict[str, str]:
 def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 
-    corpus, target = prepare_corpus(experiment.corpus, work_dir)
-    settings = settings_from(experiment, os.path.join(corpus, "data-bin"), target, args.max_update)
-    references = read_lines(os.path.join(corpus, "text", f"test.raw.{target}"))
+    corpus = prepare_corpus(experiment.corpus, work_dir)
+    settings = settings_from(experiment, corpus, args.max_update)
+    references = read_lines(corpus.references)
     grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
     logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
                 len(grid.runs), settings.budget, work_dir)
@@ -104,6 +104,7 @@ def run(args) -> int:
         if args.seeds is not None:
             experiment.seeds = seeds_from(args.seeds, "--seeds")
         work_dir = writable_folder(args.work_dir or experiment.work_dir, "work directory")
+        check_corpus(experiment.corpus)
         if args.report_only:  # reads finished runs only (their files are written atomically)
             return run_grid(args, experiment, work_dir)
         with exclusive_folder(work_dir, "work directory"):

@@ -1,0 +1,102 @@
+"""A corpus from a researcher's own raw parallel text, in the layout of the Bible corpus.
+
+Input: ``{split}.{side}`` files (splits ``train``, ``valid``, ``test``; sides: one or more source
+languages and the target), one sentence per line, aligned by line. Output (``out_dir``), as
+:mod:`mlmha_fairseq.corpus.builder` writes it, so that every tool that reads a Bible corpus
+reads this one: ``text/{split}.raw.{side}`` (the input, copied), ``text/{split}.tok.{side}``
+(Moses-tokenized), ``text/{split}.{side}`` (joint BPE), ``bpe.codes``, ``data-bin/``
+(``fairseq-preprocess``, one joint dictionary) and ``manifest.json``, written last: a folder
+with a manifest whose input fingerprints and settings match is complete and is not rebuilt.
+"""
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+from typing import Dict, List, Sequence
+
+from mlmha_fairseq.corpus import preprocess
+from mlmha_fairseq.corpus.builder import BPE_CODES, DATA_BIN, MANIFEST, TEXT_DIR
+from mlmha_fairseq.corpus.splits import SPLITS
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.evaluation.text_io import read_lines, write_text
+from mlmha_fairseq.output_files import atomic_output
+
+logger = logging.getLogger(__name__)
+
+
+def _fingerprint(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_parallel_text(raw_dir: str, sources: Sequence[str], target: str) -> Dict[str, Dict[str, List[str]]]:
+    """``{split: {side: lines}}``; one line naming the file for a missing split or side, a
+    file that is not UTF-8, or files of one split whose line counts differ."""
+    if not os.path.isdir(raw_dir):
+        raise UsageError(f"[corpus] raw {raw_dir} is not a folder")
+    text: Dict[str, Dict[str, List[str]]] = {}
+    for split in SPLITS:
+        text[split] = {}
+        for side in (*sources, target):
+            path = os.path.join(raw_dir, f"{split}.{side}")
+            if not os.path.isfile(path):
+                raise UsageError(f"[corpus] raw: {path} is missing (expected {split}.<side> for the sides "
+                                 f"{', '.join((*sources, target))} and the splits {', '.join(SPLITS)})")
+            text[split][side] = read_lines(path)
+        counts = {side: len(lines) for side, lines in text[split].items()}
+        first = (*sources, target)[0]
+        for side, count in counts.items():
+            if count != counts[first]:
+                raise UsageError(f"[corpus] raw: {os.path.join(raw_dir, f'{split}.{side}')} has {count} lines, "
+                                 f"{os.path.join(raw_dir, f'{split}.{first}')} {counts[first]}: the files of a "
+                                 "split must be aligned line by line")
+    return text
+
+
+def build_raw_text_corpus(raw_dir: str, sources: Sequence[str], target: str, out_dir: str, bpe_merges: int,
+                          workers: int = 1) -> Dict:
+    """Tokenize, learn and apply joint BPE, binarize; return the manifest (kept, with nothing
+    rebuilt, when an earlier build of the same input with the same settings finished)."""
+    sides = (*sources, target)
+    inputs = {f"{split}.{side}": _fingerprint(os.path.join(raw_dir, f"{split}.{side}"))
+              for split in SPLITS for side in sides if os.path.isfile(os.path.join(raw_dir, f"{split}.{side}"))}
+    settings = {"raw": {"dir": os.path.abspath(raw_dir), "sha256": inputs}, "sources": list(sources),
+                "target": target}
+    manifest_path = os.path.join(out_dir, MANIFEST)
+    try:
+        with open(manifest_path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+        if (all(manifest.get(key) == value for key, value in settings.items())
+                and manifest.get("bpe", {}).get("merges_requested") == bpe_merges):
+            logger.info("  corpus %s: built earlier from the same text with these settings, kept", out_dir)
+            return manifest
+    except (OSError, ValueError):
+        pass
+    text = read_parallel_text(raw_dir, sources, target)  # every check before anything is written
+    text_dir = os.path.join(out_dir, TEXT_DIR)
+    os.makedirs(text_dir, exist_ok=True)
+    logger.info("  corpus %s: tokenizing (sacremoses), learning %d joint BPE merges (subword-nmt), binarizing",
+                out_dir, bpe_merges)
+    tokens = {split: {side: preprocess.tokenize(lines, side.split("_")[0]) for side, lines in by_side.items()}
+              for split, by_side in text.items()}
+    codes = os.path.join(out_dir, BPE_CODES)
+    preprocess.learn_joint_bpe([tokens["train"][side] for side in sides], bpe_merges, codes, progress=False)
+    bpe = preprocess.load_bpe(codes)
+    for split in SPLITS:
+        for side in sides:
+            for name, lines in ((f"{split}.raw.{side}", text[split][side]), (f"{split}.tok.{side}", tokens[split][side]),
+                                (f"{split}.{side}", preprocess.apply_bpe(tokens[split][side], bpe))):
+                write_text(os.path.join(text_dir, name), "".join(line + "\n" for line in lines))
+    pairs = preprocess.binarize(text_dir, os.path.join(out_dir, DATA_BIN), list(sources), target, SPLITS, workers)
+    manifest = {**settings, "sizes": {split: len(text[split][target]) for split in SPLITS},
+                "tokenizer": preprocess.tokenizer_settings(),
+                "bpe": {"merges_requested": bpe_merges, "library": f"subword-nmt {importlib.metadata.version('subword-nmt')}",
+                        "codes": BPE_CODES, "separator": preprocess.BPE_SEPARATOR, "joint_over": list(sides)},
+                "data_bin": {"dir": DATA_BIN, "pairs": pairs, "dictionary": preprocess.JOINT_DICT}}
+    with atomic_output(manifest_path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(manifest, handle, indent=2, ensure_ascii=False)
+    return manifest
