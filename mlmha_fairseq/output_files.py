@@ -54,6 +54,41 @@ def refuse_overwriting_inputs(output: str, inputs: Iterable[str], what: str = "t
                              "write to another file")
 
 
+def _existing_ancestor(path: str) -> str:
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        current = os.path.dirname(current)
+    return current
+
+
+def check_output_folder(path: str, what: str) -> None:
+    """:class:`UsageError` (one line naming ``what`` and ``path``) unless ``path`` is a folder
+    this process can write into or can create. Tools call it for every output before their
+    work starts: a clash or a read-only place found when the first file is written may come
+    after hours of training."""
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"{what} {path} is not writable: choose a folder you can write to")
+        return
+    if os.path.lexists(path):
+        raise UsageError(f"{what} {path} exists and is not a folder: move it away or choose another path")
+    ancestor = _existing_ancestor(path)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"{what} {path} cannot be created: {ancestor} is a file, not a folder; "
+                         "choose another path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path} cannot be created: {ancestor} is not writable; "
+                         "choose a folder you can write to")
+
+
+def check_output_file(path: str, what: str) -> None:
+    """:class:`UsageError` unless ``path`` can be written (:func:`atomic_output`: a file in a
+    folder this process can write into, replaced if it exists), as :func:`check_output_folder`."""
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path} is a folder: move it away or choose another path")
+    check_output_folder(os.path.dirname(path) or ".", f"{what} {path}: its folder")
+
+
 LOCK_FILE = ".lock"
 
 

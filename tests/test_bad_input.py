@@ -128,6 +128,31 @@ def test_training_with_image_features_of_the_wrong_row_count_ends_with_one_line(
     assert f"{data}/valid.img.npy has 15 rows" in one_line_error(result)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_image_features_with_nan_or_infinite_values_are_refused_when_read(n_way, tmp_path, value):
+    """Issue 26: such features passed every check and training ended in fairseq's "gradients
+    are Nan/Inf"; they are refused when the task reads the file, which is named with the row."""
+    data = copied(n_way, tmp_path)
+    features = np.load(data / "valid.img.npy")
+    features[7, 1, 2] = value
+    np.save(data / "valid.img.npy", features)
+    task = setup_task(data, "s1,img", "--image-sources", "img")
+    with pytest.raises(DataError, match=rf"^image features {data}/valid\.img\.npy: row 7 \(sentence 8\) holds "
+                                        "NaN or infinite values"):
+        task.load_dataset("valid")
+    task.load_dataset("test")  # the untouched split still loads
+
+
+def test_training_on_nan_image_features_ends_with_one_line(n_way, tmp_path):
+    data = copied(n_way, tmp_path)
+    features = np.load(data / "train.img.npy")
+    features[-1, 0, 0] = np.nan
+    np.save(data / "train.img.npy", features)
+    result = run_fairseq("train", *train_args(data, tmp_path / "ckpt", "multi_source_transformer",
+                                              *task_options("s1,img", "--image-sources", "img")), check=False)
+    assert f"{data}/train.img.npy: row {len(features) - 1}" in one_line_error(result)
+
+
 def test_an_empty_image_feature_file(n_way, tmp_path):
     data = copied(n_way, tmp_path)
     (data / "test.img.npy").write_bytes(b"")

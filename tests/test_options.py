@@ -80,6 +80,48 @@ def test_an_option_set_while_its_mechanism_is_off_is_refused(mechanism, option):
     assert message.startswith(option.flag) and f"needs {needs.text}" in message
 
 
+# Options whose default a user can type (flags cannot be typed at their default False).
+TYPED_AT_DEFAULT = [(mechanism, option) for mechanism, option in CASES
+                    if option.default is not None and not option.is_flag]
+
+
+@pytest.mark.parametrize("mechanism, option", TYPED_AT_DEFAULT, ids=[option.flag for _, option in TYPED_AT_DEFAULT])
+def test_an_option_typed_at_its_default_while_its_mechanism_is_off_is_refused(mechanism, option):
+    """Issue 26: ``--mlmha-variant M-00`` without ``--decoder-cross-attention multi-layer``
+    trained a plain Transformer without a word, since only values other than the default were
+    refused. What the user typed is refused whatever its value."""
+    arch, off = MECHANISM_MODELS[mechanism.name]
+    needs = option.needs or mechanism.switch
+    with pytest.raises(UsageError) as error:
+        build(arch, *off, option.flag, str(option.default))
+    assert str(error.value).startswith(f"{option.flag} {option.default} needs {needs.text}, which is off")
+
+
+def test_a_typed_option_is_named_as_typed_and_the_note_never_reaches_the_model_arguments():
+    with pytest.raises(UsageError, match=r"^--mask-encoder-layer-mode zero needs --mlmha-mask-encoder-layer"):
+        build_model("slot_transformer", "--layer-aggregation", "s-agg", "--mask-encoder-layer-mode", "zero")
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "unused-data-dir", "--user-dir", USER_DIR, "--arch", "slot_transformer", *TINY_MODEL_ARGS,
+        "--decoder-cross-attention", "multi-layer", "--mlmha-variant", "M-00", "--mlmha-bias"])
+    assert args.mlmha_variant == "M-00" and args.mlmha_bias is True
+    assert not [name for name in vars(args) if name.startswith("_mlmha")]  # nothing extra in a checkpoint
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("mlmha_transformer_wmt_en_de", []),  # the preset sets --mlmha-variant M-10: not typed
+    ("mlmha_transformer_iwslt", ["--mlmha-variant", "M-00"]),  # typed, turned on by the preset
+    ("layer_aggregation_transformer_iwslt", ["--mlmha-top-n", "2"]),
+    ("mma_transformer_iwslt_de_en", ["--mma-local-window", "1"]),
+])
+def test_what_a_preset_sets_or_turns_on_is_not_refused(arch, extra):
+    build_model(arch, *extra)
+
+
+def test_a_typed_option_whose_mechanism_a_preset_turns_on_is_refused_once_the_user_turns_it_off():
+    with pytest.raises(UsageError, match=r"^--mlmha-variant M-00 needs --decoder-cross-attention multi-layer"):
+        build_model("mlmha_transformer_iwslt", "--decoder-cross-attention", "standard", "--mlmha-variant", "M-00")
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--mlmha-top-n", "2"], "--mlmha-top-n 2 needs --decoder-cross-attention multi-layer or --layer-aggregation"),
     (["--layer-aggregation", "transparent", "--mlmha-mask-encoder-layer", "2"], "--mlmha-mask-encoder-layer 2 needs"),

@@ -523,7 +523,7 @@ def test_encoder_fusion_at_generation_uses_every_layer(norm):
         (fusion("fnn", "sa", "--decoder-embed-dim", "8", "--decoder-attention-heads", "2"),
          "--encoder-embed-dim == --decoder-embed-dim"),
         (fusion("sa") + ["--layer-aggregation", "s-agg"],
-         r"'encoder_out' is written by several mechanisms \(layer_aggregation, mlrf_fusion\)"),
+         r"'encoder_out' is written by several mechanisms \(--layer-aggregation s-agg, --mlrf-encoder-fusion sa\)"),
     ],
 )
 def test_bad_configurations_are_refused_with_a_clear_message(options, message):

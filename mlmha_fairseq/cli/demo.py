@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 import time
-from typing import Dict, List, Set
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set
 
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.experiments.corpora import build_corpus
@@ -44,6 +44,8 @@ from mlmha_fairseq.experiments.systems import System, multi_source_system
 from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 from mlmha_fairseq.evaluation.scoring import corpus_score, resolve_protocol
 from mlmha_fairseq.evaluation.text_io import read_lines, write_json, write_text
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.output_files import check_output_file, check_output_folder
 
 logger = logging.getLogger("mlmha_fairseq.demo")
 SOURCE, TARGET = "fr", "en"
@@ -51,6 +53,8 @@ EXAMPLES_SHOWN = 3
 
 BASELINE = SYSTEMS[0].name
 MULTI_SOURCE_LANGS = ("es", "fr", "de")
+RESULTS_MD, RESULTS_JSON = "results.md", "results.json"
+REPORT_EXTENSIONS = (".md", ".tex", ".json", ".png")  # what write_report writes for a table
 
 
 def multi_source_systems(langs) -> List[System]:
@@ -87,7 +91,7 @@ def parse_args(argv=None):
     parser.add_argument("--multi-source-langs", default=",".join(MULTI_SOURCE_LANGS),
                         help="with --full or --multi-source-only: the sources of the multi-source "
                              f"table, {SOURCE} among them (default: %(default)s)")
-    parser.add_argument("--max-update", type=int,
+    parser.add_argument("--max-update", type=cli_support.positive_int,
                         help=f"training updates per system (default: {QUICK['max_update']}, "
                              f"with --full {FULL['max_update']})")
     parser.add_argument("--systems",
@@ -96,16 +100,14 @@ def parse_args(argv=None):
                              "Names: " + "; ".join(s.name for s in SYSTEMS) + "; with the default "
                              "--multi-source-langs: " + "; ".join(
                                  s.name for s in multi_source_systems(MULTI_SOURCE_LANGS)))
-    parser.add_argument("--beam", type=int, default=4,
+    parser.add_argument("--beam", type=cli_support.positive_int, default=4,
                         help="beam size of fairseq-generate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1,
                         help="fairseq-train's --seed (with --seeds: the first) (default: %(default)s)")
-    parser.add_argument("--seeds", type=int, default=1,
+    parser.add_argument("--seeds", type=cli_support.positive_int, default=1,
                         help="train every system with this many seeds (optimizer replicates), "
                              "--seed, --seed+1, ...; the tables report mean ± sd over them (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.seeds < 1:
-        parser.error("--seeds must be at least 1")
     args.multi_source_langs = args.multi_source_langs.split(",")
     if SOURCE not in args.multi_source_langs:
         parser.error(f"--multi-source-langs must include {SOURCE}, the single-source baseline's source")
@@ -173,8 +175,7 @@ class Stage:
         logger.info("%s: statistics against %s", self.name, systems[0].name)
         columns = {f"BLEU, {source} deranged": values for source, values in adversarial.items()}
         report = build_report(finished, [self.references], ReplicateOptions(), extra=columns)
-        table = write_report(report, os.path.join(self.args.work_dir, f"results-{slug(self.name)}"),
-                             self.settings.budget, self.name)
+        table = write_report(report, results_prefix(self.args.work_dir, self.name), self.settings.budget, self.name)
         first = {name: runs[min(runs)] for name, runs in finished}
         examples = "\n\n".join(
             f"source:    {self.sources[i]}\nreference: {self.references[i]}\n"
@@ -198,8 +199,63 @@ class Stage:
         return report_text
 
 
+def results_prefix(work_dir: str, table: str) -> str:
+    return os.path.join(work_dir, f"results-{slug(table)}")
+
+
+def corpus_path(sources: Sequence[str], given_dir: Optional[str], args) -> str:
+    return given_dir or os.path.join(args.work_dir, "corpus-" + "-".join(sources))
+
+
+class Table(NamedTuple):
+    """A results table of this run: its name, its sources, the option that may give its
+    corpus, and whether it is the multi-source table."""
+
+    name: str
+    sources: List[str]
+    corpus_option: str
+    multi_source: bool
+
+    def given_corpus(self, args) -> Optional[str]:
+        return getattr(args, self.corpus_option.lstrip("-").replace("-", "_"))
+
+
+def planned_tables(args) -> List[Table]:
+    tables = []
+    if not args.multi_source_only:
+        tables.append(Table(f"{SOURCE}->{TARGET}", [SOURCE], "--corpus-dir", False))
+    if args.full or args.multi_source_only:
+        langs = args.multi_source_langs
+        tables.append(Table(f"{'+'.join(langs)}->{TARGET}", langs, "--multi-source-corpus-dir", True))
+    return tables
+
+
+def check_paths(args, tables: List[Table]) -> None:
+    """Every output path, and every corpus given, before any work: the second table's corpus
+    and the results files are otherwise first touched after hours of training."""
+    work_dir = args.work_dir
+    check_output_folder(work_dir, "--work-dir")
+    for folder in ("logs", "runs"):
+        check_output_folder(os.path.join(work_dir, folder), "output folder")
+    files = [RESULTS_MD, RESULTS_JSON, "commands.log"]
+    for table in tables:
+        corpus = table.given_corpus(args)
+        if corpus is None:
+            check_output_folder(corpus_path(table.sources, None, args), "corpus folder")
+        else:
+            needed = [os.path.join("data-bin", "dict.txt")] + [
+                os.path.join("text", f"test.raw.{side}") for side in (SOURCE, TARGET)]
+            missing = [path for path in needed if not os.path.isfile(os.path.join(corpus, path))]
+            if missing:
+                raise UsageError(f"{table.corpus_option} {corpus} has no {missing[0]}: give a folder that "
+                                 "mlmha_fairseq.cli.build_corpus wrote, or leave the option out to build one")
+        files += [results_prefix(work_dir, table.name) + extension for extension in REPORT_EXTENSIONS]
+    for path in files:
+        check_output_file(os.path.join(work_dir, path), "output file")
+
+
 def prepared_corpus(sources, given_dir, args, settings) -> str:
-    corpus = given_dir or os.path.join(args.work_dir, "corpus-" + "-".join(sources))
+    corpus = corpus_path(sources, given_dir, args)
     logger.info("corpus %s->%s%s", "+".join(sources), TARGET, f" (using {corpus})" if given_dir else "")
     if not given_dir:
         os.makedirs(args.work_dir, exist_ok=True)
@@ -211,26 +267,28 @@ def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(format="[demo %(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO, force=True)
     settings = dict(FULL if args.full else QUICK)
-    if args.max_update:
+    if args.max_update is not None:
         settings["max_update"] = args.max_update
+    tables = planned_tables(args)
+    check_paths(args, tables)
     start = time.time()
 
     stages, reports = [], []
-    if not args.multi_source_only:
-        stages.append(Stage(f"{SOURCE}->{TARGET}", prepared_corpus([SOURCE], args.corpus_dir, args, settings),
-                            args, settings, TOKEN_BATCHES))
-        reports.append(stages[-1].run(chosen_systems(args, SYSTEMS)))
-    if args.full or args.multi_source_only:
-        langs = args.multi_source_langs
-        corpus = prepared_corpus(langs, args.multi_source_corpus_dir, args, settings)
-        stages.append(Stage(f"{'+'.join(langs)}->{TARGET}", corpus, args, settings, SENTENCE_BATCHES))
-        reports.append(stages[-1].run(chosen_systems(args, multi_source_systems(langs)), adversarial_sources=langs))
+    for table in tables:
+        corpus = prepared_corpus(table.sources, table.given_corpus(args), args, settings)
+        if table.multi_source:
+            stages.append(Stage(table.name, corpus, args, settings, SENTENCE_BATCHES))
+            reports.append(stages[-1].run(chosen_systems(args, multi_source_systems(table.sources)),
+                                          adversarial_sources=table.sources))
+        else:
+            stages.append(Stage(table.name, corpus, args, settings, TOKEN_BATCHES))
+            reports.append(stages[-1].run(chosen_systems(args, SYSTEMS)))
 
-    write_text(os.path.join(args.work_dir, "results.md"), "\n".join(reports))
-    write_json(os.path.join(args.work_dir, "results.json"),
+    write_text(os.path.join(args.work_dir, RESULTS_MD), "\n".join(reports))
+    write_json(os.path.join(args.work_dir, RESULTS_JSON),
                {"settings": dict(settings, seeds=args.seeds), "stages": {stage.name: stage.record for stage in stages}})
     logger.info("finished in %s; results in %s", minutes(time.time() - start),
-                os.path.join(args.work_dir, "results.md"))
+                os.path.join(args.work_dir, RESULTS_MD))
     if any(stage.failures for stage in stages):
         sys.exit(1)
 

@@ -23,6 +23,7 @@ from mlmha_fairseq.evaluation.checkpoint_averaging import save_checkpoint
 from mlmha_fairseq.evaluation.model_loading import checkpoint_errors
 from mlmha_fairseq.evaluation.text_io import InputError
 from mlmha_fairseq.models.multi_level_supervision import NO_AUX
+from mlmha_fairseq.models.slot_transformer import recorded_options
 
 logger = logging.getLogger(__name__)
 # Parameter-name parts of the auxiliary decoders and of their encoder memories.
@@ -65,6 +66,9 @@ def strip_aux_decoders(state: dict) -> Dict[str, int]:
         del state["model"][name]
     options.aux_decoder_layers = NO_AUX
     options.decode_from = "main"
+    recorded = recorded_options(state["model"])
+    if recorded is not None:  # else every load of the stripped checkpoint warns of other options
+        recorded["aux_decoder_layers"] = NO_AUX
     state.pop("last_optimizer_state", None)
     return {"removed": len(removed), "kept": len(state["model"])}
 

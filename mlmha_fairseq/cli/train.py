@@ -10,6 +10,9 @@ that fairseq's command line gets wrong:
   CPUs); here a process started by torchrun takes its rank, world size and local device
   from torchrun's environment, on GPUs and CPUs alike.
 
+It runs from any directory with either ``--user-dir`` form (``mlmha_fairseq`` or the
+package's folder): see :func:`user_dir_of_this_package`.
+
 Examples::
 
     python -m mlmha_fairseq.cli.train data-bin --user-dir mlmha_fairseq --arch mlmha_transformer_iwslt --bf16 ...
@@ -18,16 +21,57 @@ Examples::
 """
 import os
 import sys
+from typing import List
 
 from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
 from fairseq_cli import train
 
+import mlmha_fairseq
+from mlmha_fairseq.errors import UsageError
+
+USER_DIR_FLAG = "--user-dir"
+
+
+def user_dir_of_this_package(argv: List[str]) -> List[str]:
+    """``argv`` with a ``--user-dir`` that names this package replaced by the folder the
+    running package was imported from.
+
+    This module is itself part of ``mlmha_fairseq``, so the package is imported before fairseq
+    reads ``--user-dir``; fairseq then accepts a folder named ``mlmha_fairseq`` only when its
+    path is, as a string, one of the imported package's ``__path__`` (otherwise: "module name
+    (mlmha_fairseq) is not globally unique"). Which path that is depends on the current
+    directory: the repository's folder from the repository root, else the link next to
+    fairseq that ``link_user_dir`` makes. Another copy of the package is refused, since its
+    code would not be the code that runs. A ``--user-dir`` of another name is left alone."""
+    package = os.path.realpath(mlmha_fairseq.__path__[0])
+    result = list(argv)
+    for index, arg in enumerate(argv):
+        if arg == USER_DIR_FLAG and index + 1 < len(argv):
+            position, given, prefix = index + 1, argv[index + 1], ""
+        elif arg.startswith(USER_DIR_FLAG + "="):
+            position, given, prefix = index, arg[len(USER_DIR_FLAG) + 1:], USER_DIR_FLAG + "="
+        else:
+            continue
+        if os.path.basename(os.path.normpath(given)) != mlmha_fairseq.__name__:
+            continue
+        if os.path.isdir(given) and os.path.realpath(given) != package:
+            raise UsageError(f"--user-dir {given} is another copy of {mlmha_fairseq.__name__} than the one "
+                             f"running this command ({package}): pass --user-dir {package}, or run "
+                             "python -m mlmha_fairseq.cli.train with the Python environment of that copy")
+        result[position] = prefix + mlmha_fairseq.__path__[0]
+    return result
+
 
 def main(argv=None):
+    if argv is None:
+        # fairseq's get_parser imports --user-dir as sys.argv gives it, whatever it parses later
+        sys.argv[1:] = user_dir_of_this_package(sys.argv[1:])
+        argv = sys.argv[1:]
+    else:
+        argv = user_dir_of_this_package(argv)
     parser = options.get_training_parser()
-    argv = sys.argv[1:] if argv is None else argv
     args = options.parse_args_and_arch(parser, argv)
     # --bf16 implied --tpu above; keep the user's own --tpu only.
     args.tpu = "--tpu" in argv

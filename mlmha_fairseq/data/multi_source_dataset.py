@@ -16,6 +16,9 @@ from mlmha_fairseq.errors import UsageError
 
 from ..source_kinds import IMAGE, TEXT  # noqa: F401 (also imported from here)
 NPY_SUFFIX = ".npy"
+# Image features are checked for NaN and infinities in blocks of rows of about this size, so
+# that the check of a memory-mapped array of many GB never holds more than one block.
+FINITE_CHECK_BYTES = 64 << 20
 
 
 class DataError(UsageError):
@@ -28,7 +31,9 @@ class ImageFeatureDataset(FairseqDataset):
     ``positions x channels`` float tensors; a batch stacks them (every image has the same
     number of positions, so there is no padding)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, check_values: bool = True):
+        """``check_values``: refuse NaN and infinite features (:meth:`check_finite`); off only
+        where the header is all that is read (the number of channels)."""
         self.path = path
         try:
             self.features = np.load(path, mmap_mode="r")
@@ -38,6 +43,24 @@ class ImageFeatureDataset(FairseqDataset):
             raise DataError(f"image features {path} have shape {self.features.shape}; "
                             "expected [sentences, positions, channels]")
         self.sizes = np.full(len(self.features), self.features.shape[1], dtype=np.int64)
+        if check_values:
+            self.check_finite()
+
+    def check_finite(self) -> None:
+        """:class:`DataError` naming the file and the first row with a NaN or infinite value:
+        one such value makes every gradient NaN, and fairseq would stop only after training
+        started, with "gradients are Nan/Inf" and no word of the file."""
+        if not np.issubdtype(self.features.dtype, np.inexact):
+            return  # integers cannot be NaN or infinite
+        row_bytes = max(1, self.features[:1].nbytes)
+        block = max(1, FINITE_CHECK_BYTES // row_bytes)
+        for start in range(0, len(self.features), block):
+            finite = np.isfinite(self.features[start:start + block]).all(axis=(1, 2))
+            bad = np.flatnonzero(~finite)
+            if bad.size:
+                row = start + int(bad[0])
+                raise DataError(f"image features {self.path}: row {row} (sentence {row + 1}) holds NaN or "
+                                "infinite values; recompute the features or replace those values")
 
     @property
     def channels(self) -> int:

@@ -24,12 +24,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import FrozenSet, Mapping
 
-from fairseq.models import register_model_architecture
-
 from ..errors import UsageError
 from ..modules.dual_contextual import DualContextual
 from .layer_selection import ALL_LAYERS, NO_LAYERS, parse_layers
-from .options import Mechanism, Option, Switch, register_mechanism
+from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .presets import thesis_base, thesis_small
 from .slots import DECODER_SELF_ATTENTION, ENCODER_SELF_ATTENTION
 
@@ -87,12 +85,14 @@ def _build(cfg, side: str, layer_idx: int, embed_dim: int):
     )
 
 
-@ENCODER_SELF_ATTENTION.register(DUAL_CONTEXTUAL)
+@ENCODER_SELF_ATTENTION.register(DUAL_CONTEXTUAL,
+                                 given_by=lambda cfg: f"--dc-encoder-layers {cfg.dc_encoder_layers}")
 def build_encoder_dual_contextual(cfg, layer_idx, embed_dim):
     return _build(cfg, "encoder", layer_idx, embed_dim)
 
 
-@DECODER_SELF_ATTENTION.register(DUAL_CONTEXTUAL)
+@DECODER_SELF_ATTENTION.register(DUAL_CONTEXTUAL,
+                                 given_by=lambda cfg: f"--dc-decoder-layers {cfg.dc_decoder_layers}")
 def build_decoder_dual_contextual(cfg, layer_idx, embed_dim):
     module = _build(cfg, "decoder", layer_idx, embed_dim)
     if module is not None and cfg.cross_self_attention:
@@ -101,7 +101,7 @@ def build_decoder_dual_contextual(cfg, layer_idx, embed_dim):
     return module
 
 
-@register_model_architecture("slot_transformer", "dc_transformer_iwslt")
+@register_architecture("slot_transformer", "dc_transformer_iwslt")
 def dc_transformer_iwslt(args):
     """Enc-DC on the IWSLT tasks (Table 5.1): d=256, 4 heads, 4+4 layers, FFN 1024 (the
     table's 512 is read as a typo: its baselines are ch. 3's, trained with 1024)."""
@@ -109,7 +109,7 @@ def dc_transformer_iwslt(args):
     thesis_small(args)
 
 
-@register_model_architecture("slot_transformer", "dc_transformer_wmt_en_de")
+@register_architecture("slot_transformer", "dc_transformer_wmt_en_de")
 def dc_transformer_wmt_en_de(args):
     """Enc-DC on WMT'14 En-De (Table 5.1): the base Transformer, d=512, 8 heads, FFN 2048,
     6+6 layers (fairseq's defaults)."""

@@ -22,7 +22,6 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from fairseq.models import register_model_architecture
 from fairseq.modules import MultiheadAttention
 
 from ..errors import UsageError
@@ -33,7 +32,7 @@ from ..modules.layer_aggregation import (
 )
 from ..modules.multi_layer_attention import VARIANTS, MultiLayerMultiheadAttention, parse_variant
 from ..modules.source_feature_collector import SourceFeatureCollector
-from .options import Mechanism, Option, Switch, register_mechanism
+from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .presets import post_norm, thesis_base, thesis_pre_norm, thesis_small
 from .slots import DECODER_CROSS_ATTENTION, ENCODER_MEMORY
 
@@ -129,11 +128,11 @@ COLLECTED_LAYERS = register_mechanism(Mechanism(
         Option("--mlmha-mask-encoder-layer", None, "ablation (inference) of MLMHA or layer "
                "aggregation: remove what encoder layer L (1..L) contributes, e.g. fairseq-generate "
                "--model-overrides \"{'mlmha_mask_encoder_layer': 3}\"",
-               aliases=("--mask-encoder-layer",), argparse=dict(type=int, metavar="L")),
+               aliases=("--mask-encoder-layer",), argparse=dict(type=int, metavar="L"), inference_only=True),
         Option("--mlmha-mask-mode", MASK_ZERO, "zero: replace the masked layer's collected state "
                "by zeros (the paper's words); drop: remove its attention logits and context (the "
                "bias-free reading; MLMHA only)", aliases=("--mask-encoder-layer-mode",),
-               argparse=dict(choices=(MASK_ZERO, MASK_DROP)), needs=_MASKED),
+               argparse=dict(choices=(MASK_ZERO, MASK_DROP)), needs=_MASKED, inference_only=True),
     ), parse=CollectedLayers.from_cfg))
 
 
@@ -215,7 +214,8 @@ def build_multi_layer_attention(cfg, layer_idx, embed_dim):
     )
 
 
-@DECODER_CROSS_ATTENTION.register("transparent attention")
+@DECODER_CROSS_ATTENTION.register("transparent attention",
+                                  given_by=lambda cfg: f"--layer-aggregation {TRANSPARENT}")
 def build_transparent_cross_attention(cfg, layer_idx, embed_dim):
     if cfg.layer_aggregation != TRANSPARENT:
         return None
@@ -226,14 +226,15 @@ def build_transparent_cross_attention(cfg, layer_idx, embed_dim):
     )
 
 
-@ENCODER_MEMORY.register(TAPS_KEY)
+@ENCODER_MEMORY.register(TAPS_KEY, given_by=lambda cfg: f"--decoder-cross-attention {MULTI_LAYER}")
 def build_collected_taps(cfg, num_layers):
     if not _uses_multi_layer_attention(cfg):
         return None
     return CollectedTaps(COLLECTED_LAYERS.parsed(cfg).collector(cfg))
 
 
-@ENCODER_MEMORY.register("layer_aggregation")
+@ENCODER_MEMORY.register("layer_aggregation",
+                         given_by=lambda cfg: f"--layer-aggregation {cfg.layer_aggregation}")
 def build_aggregated_memory(cfg, num_layers):
     if not _aggregates(cfg):
         return None
@@ -247,14 +248,14 @@ def build_aggregated_memory(cfg, num_layers):
     return AggregatedMemory(layers.collector(cfg), aggregation)
 
 
-@ENCODER_MEMORY.register("transparent_attention")
+@ENCODER_MEMORY.register("transparent_attention", given_by=lambda cfg: f"--layer-aggregation {TRANSPARENT}")
 def build_transparent_memories(cfg, num_layers):
     if cfg.layer_aggregation != TRANSPARENT:
         return None
     return TransparentMemories(num_layers + 1, cfg.decoder.layers)
 
 
-@register_model_architecture("slot_transformer", "mlmha_transformer_iwslt")
+@register_architecture("slot_transformer", "mlmha_transformer_iwslt")
 def mlmha_transformer_iwslt(args):
     """MLMHA, IWSLT Es-En / En-Vi (Ampomah et al. 2020, §4.1): n = L = 4, M-00; pre-norm with a LayerNorm
     per collected layer, as the authors' released code."""
@@ -263,7 +264,7 @@ def mlmha_transformer_iwslt(args):
     thesis_small(args)
 
 
-@register_model_architecture("slot_transformer", "mlmha_transformer_wmt_en_de")
+@register_architecture("slot_transformer", "mlmha_transformer_wmt_en_de")
 def mlmha_transformer_wmt_en_de(args):
     """MLMHA, WMT'14 En-De (Ampomah et al. 2020, §4.1): n = L = 6, M-10; pre-norm as ``mlmha_transformer_iwslt``."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
@@ -272,7 +273,7 @@ def mlmha_transformer_wmt_en_de(args):
     thesis_base(args)
 
 
-@register_model_architecture("slot_transformer", "layer_aggregation_transformer_iwslt")
+@register_architecture("slot_transformer", "layer_aggregation_transformer_iwslt")
 def layer_aggregation_transformer_iwslt(args):
     """Layer aggregation (thesis §2.2) on the small IWSLT Transformer, Iter-C-Agg, n = L;
     pre-norm with a LayerNorm per collected layer, as the authors' code."""
@@ -281,7 +282,7 @@ def layer_aggregation_transformer_iwslt(args):
     thesis_small(args)
 
 
-@register_model_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de")
+@register_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de")
 def layer_aggregation_transformer_wmt_en_de(args):
     """Layer aggregation (thesis §2.2) on the base Transformer, Iter-C-Agg, n = L; pre-norm."""
     args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
@@ -291,25 +292,25 @@ def layer_aggregation_transformer_wmt_en_de(args):
 
 # The same presets with post-norm layers, as the thesis' equations are written (Eqs. 2.10-2.11,
 # 3.6); they are what the presets above built before they followed the authors' code.
-@register_model_architecture("slot_transformer", "mlmha_transformer_iwslt_post_norm")
+@register_architecture("slot_transformer", "mlmha_transformer_iwslt_post_norm")
 def mlmha_transformer_iwslt_post_norm(args):
     post_norm(args)
     mlmha_transformer_iwslt(args)
 
 
-@register_model_architecture("slot_transformer", "mlmha_transformer_wmt_en_de_post_norm")
+@register_architecture("slot_transformer", "mlmha_transformer_wmt_en_de_post_norm")
 def mlmha_transformer_wmt_en_de_post_norm(args):
     post_norm(args)
     mlmha_transformer_wmt_en_de(args)
 
 
-@register_model_architecture("slot_transformer", "layer_aggregation_transformer_iwslt_post_norm")
+@register_architecture("slot_transformer", "layer_aggregation_transformer_iwslt_post_norm")
 def layer_aggregation_transformer_iwslt_post_norm(args):
     post_norm(args)
     layer_aggregation_transformer_iwslt(args)
 
 
-@register_model_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de_post_norm")
+@register_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de_post_norm")
 def layer_aggregation_transformer_wmt_en_de_post_norm(args):
     post_norm(args)
     layer_aggregation_transformer_wmt_en_de(args)

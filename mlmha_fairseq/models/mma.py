@@ -17,13 +17,12 @@ import logging
 from dataclasses import dataclass
 from typing import FrozenSet, Tuple
 
-from fairseq.models import register_model_architecture
 from fairseq.models.transformer.transformer_legacy import transformer_iwslt_de_en
 
 from ..errors import UsageError
 from ..modules.mixed_attention import HEAD_TYPES, MixedMultiheadAttention
 from .layer_selection import ALL_LAYERS, parse_layers
-from .options import Mechanism, Option, Switch, register_mechanism
+from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .slot_transformer import slot_transformer
 from .slots import ENCODER_SELF_ATTENTION
 
@@ -51,14 +50,20 @@ class MMAOptions:
         return cls(head_types, cfg.mma_local_window, layers)
 
 
+# the words the help and the messages spell the letters with, accepted as well
+HEAD_NAMES = dict(zip(("global", "local", "forward", "backward"), HEAD_TYPES))
+
+
 def parse_head_types(heads: str, num_heads: int) -> Tuple[str, ...]:
-    """``"G,L,F,B"`` -> ``("G", "L", "F", "B")`` (case-insensitive), one per head."""
-    head_types = tuple(name.strip().upper() for name in heads.split(","))
-    unknown = [name for name in head_types if name not in HEAD_TYPES]
+    """``"G,L,F,B"`` or ``"global,local,forward,backward"`` -> ``("G", "L", "F", "B")``
+    (case-insensitive), one per head."""
+    names = [name.strip() for name in heads.split(",")]
+    head_types = tuple(HEAD_NAMES.get(name.lower(), name.upper()) for name in names)
+    unknown = [name for name, head_type in zip(names, head_types) if head_type not in HEAD_TYPES]
     if unknown:
         raise UsageError(
             f"--mma-heads {heads!r}: unknown head type(s) {unknown}; give a comma-separated "
-            f"list of {', '.join(HEAD_TYPES)} (global, local, forward, backward)"
+            f"list of {', '.join(HEAD_TYPES)} or {', '.join(HEAD_NAMES)}"
         )
     if len(head_types) != num_heads:
         raise UsageError(
@@ -85,8 +90,9 @@ MMA = register_mechanism(Mechanism(
     "MMA", Switch(f"--encoder-self-attention {MIXED}",
                   lambda args: getattr(args, "encoder_self_attention", None) == MIXED), (
         Option("--mma-heads", None, "MMA head types in head order, one of G (global), L (local), "
-               "F (forward: itself and later), B (backward: itself and earlier) per head, e.g. "
-               "G,G,L,L,F,F,B,B (default: H/4 heads of each type in blocks G, L, F, B)",
+               "F (forward: itself and later), B (backward: itself and earlier) per head, as "
+               "letters or words, e.g. G,G,L,L,F,F,B,B or global,local,forward,backward (default: "
+               "H/4 heads of each type in blocks G, L, F, B)",
                argparse=dict(metavar="SPEC")),
         Option("--mma-local-window", DEFAULT_WINDOW, "window of the local heads: query i sees keys "
                f"i-W..i+W, in tokens of the model's input, EOS included (default: {DEFAULT_WINDOW})",
@@ -118,7 +124,7 @@ def build_mixed_attention(cfg, layer_idx, embed_dim):
     )
 
 
-@register_model_architecture("slot_transformer", "mma_transformer_iwslt_de_en")
+@register_architecture("slot_transformer", "mma_transformer_iwslt_de_en")
 def mma_transformer_iwslt_de_en(args):
     """IWSLT14 De-En "small" model (Cui et al. 2019, §4.1): fairseq's ``transformer_iwslt_de_en`` (6+6
     layers, d=512, 4 heads, FFN 1024) with dropout 0.3; MMA in every encoder layer, heads
@@ -129,7 +135,7 @@ def mma_transformer_iwslt_de_en(args):
     slot_transformer(args)
 
 
-@register_model_architecture("slot_transformer", "mma_transformer_wat")
+@register_architecture("slot_transformer", "mma_transformer_wat")
 def mma_transformer_wat(args):
     """WAT17 En-Ja/Ja-En "base" model (Cui et al. 2019, §4.1): fairseq's ``transformer`` (6+6 layers,
     d=512, 8 heads, FFN 2048, dropout 0.1); MMA in every encoder layer, heads

@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import register_model
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import LayerNorm
 
@@ -61,7 +61,7 @@ from .slot_transformer import (
     slot_transformer,
     wrap_layer,
 )
-from .options import Mechanism, Option, Switch, register_mechanism
+from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .slots import ENCODER_MEMORY
 
 AUX_MEMORIES = "aux_memories"  # K x T x B x C: H_e^l of each auxiliary decoder, in order
@@ -144,11 +144,11 @@ MULTI_LEVEL_SUPERVISION = register_mechanism(Mechanism(
                "in the thesis)", argparse=dict(type=float, metavar="P"), needs=_AIF),
         Option("--zero-aif", False, "analysis: the 'ind-decoder', AIF weights taken as zero (thesis "
                "§4.5.5), e.g. fairseq-generate --model-overrides \"{'zero_aif': True}\"",
-               argparse=dict(action="store_true"), needs=_AIF),
+               argparse=dict(action="store_true"), needs=_AIF, inference_only=True),
         Option("--decode-from", MAIN, "inference: produce the output with the main decoder (default) "
                "or with the auxiliary decoder of encoder layer L alone (thesis Table 4.7), e.g. "
                "fairseq-generate --model-overrides \"{'decode_from': 'aux:1'}\"",
-               argparse=dict(metavar="main|aux:L")),
+               argparse=dict(metavar="main|aux:L"), inference_only=True),
     ), slot_wide=False, parse=SupervisionOptions.from_cfg))
 
 
@@ -185,7 +185,8 @@ class AuxiliaryMemories(nn.Module):
         return {AUX_MEMORIES: [torch.stack(memories)]}
 
 
-@ENCODER_MEMORY.register(AUX_MEMORIES)
+@ENCODER_MEMORY.register(AUX_MEMORIES,
+                         given_by=lambda cfg: f"--aux-decoder-layers {cfg.aux_decoder_layers}")
 def build_aux_memories(cfg, num_layers):
     if not _has_aux_decoders(cfg):
         return None
@@ -337,7 +338,7 @@ class MultiLevelSupervisionModel(SlotTransformerModel):
         ms_transformer(args)
 
 
-@register_model_architecture("ms_transformer", "ms_transformer")
+@register_architecture("ms_transformer", "ms_transformer")
 def ms_transformer(args):
     """MS-1 without AIF (the thesis' recommendation without AIF: one auxiliary decoder on a
     low layer, ch. 6) on fairseq's base Transformer."""
@@ -345,7 +346,7 @@ def ms_transformer(args):
     slot_transformer(args)
 
 
-@register_model_architecture("ms_transformer", "ms_transformer_iwslt")
+@register_architecture("ms_transformer", "ms_transformer_iwslt")
 def ms_transformer_iwslt(args):
     """MS-3 + AIF on the small IWSLT Transformer (4+4, d=256): the thesis' best IWSLT
     setting (Tables 4.1, 4.3). [choice] The auxiliary decoder sits on layer L-1, i.e. layer
@@ -357,7 +358,7 @@ def ms_transformer_iwslt(args):
     ms_transformer(args)
 
 
-@register_model_architecture("ms_transformer", "ms_transformer_wmt_en_de")
+@register_architecture("ms_transformer", "ms_transformer_wmt_en_de")
 def ms_transformer_wmt_en_de(args):
     """MS-1 + AIF on the base Transformer (6+6, d=512): the thesis' best WMT'14 En-De model
     (Table 4.4, 29.32). Pre-norm, as ``ms_transformer_iwslt``."""
@@ -369,13 +370,13 @@ def ms_transformer_wmt_en_de(args):
 
 # The same presets with post-norm layers, as the thesis' equations are written (Eq. 4.3 adds
 # z^f after the self-attention sublayer's LayerNorm).
-@register_model_architecture("ms_transformer", "ms_transformer_iwslt_post_norm")
+@register_architecture("ms_transformer", "ms_transformer_iwslt_post_norm")
 def ms_transformer_iwslt_post_norm(args):
     post_norm(args)
     ms_transformer_iwslt(args)
 
 
-@register_model_architecture("ms_transformer", "ms_transformer_wmt_en_de_post_norm")
+@register_architecture("ms_transformer", "ms_transformer_wmt_en_de_post_norm")
 def ms_transformer_wmt_en_de_post_norm(args):
     post_norm(args)
     ms_transformer_wmt_en_de(args)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
-from fairseq.models import FairseqEncoder, register_model, register_model_architecture
+from fairseq.models import FairseqEncoder, register_model
 from fairseq.models.transformer import TransformerConfig
 from torch import Tensor, nn
 
@@ -52,7 +52,7 @@ from ..modules.input_combination import (
 )
 from ..errors import UsageError
 from ..source_kinds import IMAGE, TEXT, SourceLayout
-from .options import Mechanism, Option, Switch, register_mechanism
+from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .presets import set_sizes
 from .slot_transformer import (
     ENCODER_OUT,
@@ -180,7 +180,8 @@ class MultiSourceDecoderLayer(SlotTransformerDecoderLayer):
         claimed = DECODER_CROSS_ATTENTION.build_all(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)
         if claimed:
             raise UsageError(f"the decoder cross-attention of the multi-source model is claimed by "
-                             f"several mechanisms (input combination, {', '.join(claimed)}): "
+                             f"several mechanisms (--combination-strategy {self.combination.strategy}, "
+                             f"{', '.join(DECODER_CROSS_ATTENTION.given_by(name, cfg) for name in claimed)}): "
                              "choose one")
         return build_input_combination(
             self.combination.strategy, embed_dim, cfg.decoder.attention_heads, len(self.sources),
@@ -299,7 +300,7 @@ def combination_modules(model) -> List[InputCombination]:
     return [layer.encoder_attn for layer in model.decoder.layers]
 
 
-@register_model_architecture("multi_source_transformer", "multi_source_transformer")
+@register_architecture("multi_source_transformer", "multi_source_transformer")
 def multi_source_transformer(args):
     """fairseq's ``transformer`` defaults, serial combination (the best MSMT strategy)."""
     INPUT_COMBINATION.set_defaults(args)
@@ -320,7 +321,7 @@ def paper_settings(args):
     multi_source_transformer(args)
 
 
-@register_model_architecture("multi_source_transformer", "multimodal_transformer_multi30k")
+@register_architecture("multi_source_transformer", "multimodal_transformer_multi30k")
 def multimodal_transformer_multi30k(args):
     """MMT on Multi30k (Libovický et al. 2018, §4): d=512, 16 heads, FFN 4096, 6 encoder and
     6 decoder layers; sources English text then image (serial order of Fig. 1)."""
@@ -328,7 +329,7 @@ def multimodal_transformer_multi30k(args):
     paper_settings(args)
 
 
-@register_model_architecture("multi_source_transformer", "multi_source_transformer_europarl")
+@register_architecture("multi_source_transformer", "multi_source_transformer_europarl")
 def multi_source_transformer_europarl(args):
     """MSMT on Europarl (Libovický et al. 2018, §4): d=256, 8 heads, FFN 2048, 4-layer
     encoders, 6-layer decoder; sources es, fr, de, en. With one source it is the paper's

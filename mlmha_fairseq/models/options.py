@@ -10,18 +10,25 @@ of ``python -m mlmha_fairseq.cli.options``. A mechanism with a ``parse`` functio
 its option values into one frozen, validated object (:meth:`Mechanism.parsed`), built once per
 model: its modules take their settings from that object, through their constructors.
 
-"Set" means "differs from the option's default", so that the arguments stored in a
-checkpoint, which hold every default, pass the check, and a preset that sets a default of
-a mechanism it does not turn on would be refused like a user (none does:
-``tests/test_options.py`` checks every preset).
+An option is "set" when the user typed it on the command line, whatever its value, or when
+its value differs from the option's default. Typed options are known only while fairseq's
+parser runs (:func:`register_architecture`); a model built from stored arguments (a
+checkpoint, which holds every default) is checked by value alone, so that such arguments pass,
+and a preset that sets a default of a mechanism it does not turn on would be refused like a
+user (none does: ``tests/test_options.py`` checks every preset).
 """
+import argparse
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from fairseq.models import register_model_architecture
 
 from ..errors import UsageError
 
 _MISSING = object()
 _PARSED = "_mlmha_fairseq_parsed_options"
+_TYPED = "_mlmha_fairseq_typed_options"
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,10 @@ class Option:
     ``metavar``). ``needs``: the switch this option depends on, when narrower than its
     mechanism's (e.g. the SA-only options of MLRF); ``is_switch``: the option turns its
     mechanism on itself, so the set-while-off check skips it; ``none_means``: for a default
-    of None, the value it stands for in a model of ``args`` (shown by the option listing)."""
+    of None, the value it stands for in a model of ``args`` (shown by the option listing);
+    ``inference_only``: the option changes how a trained model runs, not what its weights
+    mean (an ablation for ``fairseq-generate --model-overrides``), so a checkpoint loaded with
+    another value is no cause for a warning."""
 
     flag: str
     default: Any
@@ -50,6 +60,7 @@ class Option:
     needs: Optional[Switch] = None
     is_switch: bool = False
     none_means: Optional[Callable[[Any], Any]] = None
+    inference_only: bool = False
 
     @property
     def dest(self) -> str:
@@ -84,29 +95,35 @@ class Mechanism:
 
     def add_args(self, parser):
         for option in self.options:
+            settings = dict(option.argparse)
+            if option.is_flag:
+                settings.update(nargs=0, const=settings.pop("action") == "store_true")
             parser.add_argument(option.flag, *option.aliases, dest=option.dest, help=option.help,
-                                **option.argparse)
+                                action=TypedOption, **settings)
 
     def set_defaults(self, args):
         """Fill the options ``args`` lacks (like fairseq's architecture functions)."""
         for option in self.options:
             setattr(args, option.dest, getattr(args, option.dest, option.default))
 
-    def check(self, args):
+    def check(self, args, typed: Optional[Mapping[str, str]] = None):
         """A :class:`~mlmha_fairseq.errors.UsageError` naming the first option that is set
-        while what it needs is off."""
+        while what it needs is off. ``typed``: the options the user typed, by ``dest``, with
+        the spelling typed (:class:`TypedOption`); they count as set whatever their value."""
+        typed = typed or {}
         for option in self.options:
             if option.is_switch:
                 continue
             value = getattr(args, option.dest, _MISSING)
-            if value is _MISSING or value == option.default:
+            if value is _MISSING or (value == option.default and option.dest not in typed):
                 continue
             needs = option.needs or self.switch
             if not needs.is_on(args):
-                given = option.flag if option.is_flag else f"{option.flag} {value}"
+                flag = typed.get(option.dest, option.flag)
+                given = flag if option.is_flag else f"{flag} {value}"
                 raise UsageError(f"{given} needs {needs.text}, which is off: the option applies to "
                                  f"{self.name} and would be ignored; turn it on or leave "
-                                 f"{option.flag} out")
+                                 f"{flag} out")
 
 
 MECHANISMS: Dict[str, Mechanism] = {}
@@ -119,10 +136,57 @@ def register_mechanism(mechanism: Mechanism) -> Mechanism:
     return mechanism
 
 
-def check_options(args):
-    """Every mechanism's set-while-off check, for the options ``args`` has."""
+def check_options(args, typed: Optional[Mapping[str, str]] = None):
+    """Every mechanism's set-while-off check, for the options ``args`` has (``typed``: see
+    :meth:`Mechanism.check`)."""
     for mechanism in MECHANISMS.values():
-        mechanism.check(args)
+        mechanism.check(args, typed)
+
+
+class TypedOption(argparse.Action):
+    """argparse's ``store`` action (``store_true``/``store_false`` with ``nargs=0`` and
+    ``const``) that also notes in the namespace which options were typed, and how. fairseq's
+    parser gives model options no default (``argparse.SUPPRESS``), but the architecture
+    function then fills every default into the same namespace, and a checkpoint stores them
+    all: after parsing, a typed default and a default look alike. The note lives only until
+    the architecture function of :func:`register_architecture` takes it off the namespace, so
+    it never reaches a model's arguments or a checkpoint."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        typed = dict(getattr(namespace, _TYPED, None) or {})
+        typed[self.dest] = option_string
+        setattr(namespace, _TYPED, typed)
+
+
+def _take_typed(args) -> Optional[Dict[str, str]]:
+    typed = getattr(args, _TYPED, None)
+    if typed is not None:
+        delattr(args, _TYPED)
+    return typed
+
+
+def register_architecture(model_name: str, arch_name: str):
+    """fairseq's ``register_model_architecture`` for the architectures of this package's
+    models. fairseq calls the registered function on the parsed command line (and again on a
+    model's stored arguments, where nothing was typed); on the command line, once the preset
+    and the defaults are applied, an option the user typed while its mechanism is off is
+    refused whatever its value (:class:`TypedOption`), before any data is read. The decorated
+    function is returned as it is, for presets that call one another and for models that
+    complete the options of older checkpoints with it."""
+
+    def decorator(fn):
+        @functools.wraps(fn)
+        def architecture(args):
+            typed = _take_typed(args)
+            fn(args)
+            if typed:
+                check_options(args, typed)
+
+        register_model_architecture(model_name, arch_name)(architecture)
+        return fn
+
+    return decorator
 
 
 def option_of(dest: str) -> Optional[Tuple[Mechanism, Option]]:

@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from fairseq.models import register_model_architecture
 from fairseq.utils import get_available_activation_fns
 
 from ..errors import UsageError
@@ -40,7 +39,7 @@ from ..modules.representation_fusion import (
 )
 from .presets import set_sizes
 from .slot_transformer import slot_transformer
-from .options import Mechanism, Option, Switch, register_mechanism
+from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .slots import DECODER_OUTPUT, ENCODER_MEMORY, register_model_hook
 
 NONE = "none"
@@ -236,12 +235,14 @@ def _build_layer_fusion(wrapper, cfg, side: str, num_layers: int) -> Optional[La
     return wrapper(fusion, num_layers, include_embedding_layer, layer_embedding)
 
 
-@ENCODER_MEMORY.register(MLRF_FUSION)
+@ENCODER_MEMORY.register(MLRF_FUSION,
+                         given_by=lambda cfg: f"--mlrf-encoder-fusion {cfg.mlrf_encoder_fusion}")
 def build_fused_encoder_memory(cfg, num_layers):
     return _build_layer_fusion(FusedEncoderMemory, cfg, ENCODER, num_layers)
 
 
-@DECODER_OUTPUT.register(MLRF_FUSION)
+@DECODER_OUTPUT.register(MLRF_FUSION,
+                         given_by=lambda cfg: f"--mlrf-decoder-fusion {cfg.mlrf_decoder_fusion}")
 def build_fused_decoder_output(cfg, num_layers):
     return _build_layer_fusion(FusedDecoderOutput, cfg, DECODER, num_layers)
 
@@ -268,7 +269,7 @@ def _mlrf_settings(args):
     slot_transformer(args)  # n_hop 4, d_a 1024, d_f 512: the option defaults (FusionOptions)
 
 
-@register_model_architecture("slot_transformer", "mlrf_transformer_iwslt_de_en")
+@register_architecture("slot_transformer", "mlrf_transformer_iwslt_de_en")
 def mlrf_transformer_iwslt_de_en(args):
     """IWSLT'14 De-En (§4.2): d=256, FFN 1024, 3+3 layers, 4 heads [choice: not stated];
     the best system, Both-FNN-SA (nhop = 4), d_a 1024, d_f 512 (Table 2)."""
@@ -278,7 +279,7 @@ def mlrf_transformer_iwslt_de_en(args):
     _mlrf_settings(args)
 
 
-@register_model_architecture("slot_transformer", "mlrf_transformer_nist")
+@register_architecture("slot_transformer", "mlrf_transformer_nist")
 def mlrf_transformer_nist(args):
     """NIST Zh-En (§4.2): d=512, FFN 2048, 6+6 layers (fairseq's base sizes), 8 heads
     [choice: not stated]; the

@@ -26,13 +26,14 @@ What the slots add to fairseq's data flow:
 Every slot model is built by :meth:`SlotTransformerModel.build_model`; see
 ``docs/architecture.md``.
 """
-from typing import Any, Dict, List, NamedTuple, Optional
+import logging
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from fairseq.distributed import fsdp_wrap
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import register_model
 from fairseq.models.transformer import (
     TransformerConfig,
     TransformerDecoderBase,
@@ -49,13 +50,14 @@ from fairseq.utils import safe_getattr
 
 from ..errors import UsageError
 
-from .options import check_options
+from .options import MECHANISMS, check_options, register_architecture
 from .slots import (
     DECODER_CROSS_ATTENTION,
     DECODER_OUTPUT,
     DECODER_SELF_ATTENTION,
     ENCODER_MEMORY,
     ENCODER_SELF_ATTENTION,
+    SELECTABLE_SLOTS,
     add_slot_args,
     apply_model_hooks,
     check_distinct_outputs,
@@ -63,6 +65,10 @@ from .slots import (
 )
 
 ENCODER_OUT = "encoder_out"
+# Where a slot model's state dict keeps the options of this package it was built with.
+OPTIONS_METADATA = "mlmha_fairseq_options"
+
+logger = logging.getLogger(__name__)
 
 
 def wrap_layer(layer, cfg):
@@ -250,7 +256,7 @@ class SlotTransformerEncoder(TransformerEncoderBase):
             # Table 3); dropped before any checkpoint is loaded, so none are expected
             self.embed_positions = None
         self.memories = nn.ModuleDict(ENCODER_MEMORY.build_all(cfg, num_layers=self.num_layers))
-        check_distinct_outputs(self.memories)
+        check_distinct_outputs(self.memories, cfg)
 
     def build_encoder_layer(self, cfg):
         layer = SlotTransformerEncoderLayer(cfg, next_layer_index(self), return_fc=self.return_fc)
@@ -405,6 +411,51 @@ def check_replaced_memory_is_read(encoder: SlotTransformerEncoder, decoder: Slot
         )
 
 
+def package_options(args) -> Dict[str, Tuple[str, Any]]:
+    """This package's options in ``args`` that give a model's weights their meaning (slot
+    choices and every mechanism's options but the inference-only ones): ``{dest: (flag,
+    value)}``, values as plain data (what a checkpoint may hold)."""
+    flags = {slot.dest: slot.option for slot in SELECTABLE_SLOTS}
+    flags.update((option.dest, option.flag) for mechanism in MECHANISMS.values() for option in mechanism.options
+                 if not option.inference_only)
+    options = {}
+    for dest, flag in flags.items():
+        if hasattr(args, dest):
+            value = getattr(args, dest)
+            options[dest] = (flag, value if isinstance(value, (str, int, float, bool, type(None))) else str(value))
+    return options
+
+
+def _record_options(model, state_dict, prefix, local_metadata):
+    """State-dict hook: the model's options of this package go into the state dict's
+    metadata (no key or tensor is added, so the state dict stays fairseq's transformer's)."""
+    local_metadata[OPTIONS_METADATA] = {dest: value for dest, (_, value) in package_options(model.args).items()}
+
+
+def recorded_options(state_dict) -> Optional[Dict[str, Any]]:
+    """The options :func:`_record_options` kept in ``state_dict`` (a checkpoint's
+    ``model``), or None; a tool that changes a checkpoint's options updates them here too."""
+    return getattr(state_dict, "_metadata", {}).get("", {}).get(OPTIONS_METADATA)
+
+
+def _warn_about_other_options(model, state_dict, prefix, local_metadata, *args):
+    """Load hook: one warning naming the options of this package that differ between the
+    model and the state dict's (:func:`_record_options`). ``fairseq-train --restore-file``
+    loads a checkpoint into the model of the current command line and passes that command
+    line's options, not the checkpoint's, to ``load_state_dict``: an M-10 checkpoint loads
+    into an M-00 model without a word (same shapes, another meaning of the weights)."""
+    stored = local_metadata.get(OPTIONS_METADATA)
+    if not isinstance(stored, dict):
+        return  # a state dict written before the options were recorded, or built by hand
+    differ = [f"{flag} {value} (checkpoint: {stored[dest]})"
+              for dest, (flag, value) in package_options(model.args).items()
+              if dest in stored and stored[dest] != value]
+    if differ:
+        logger.warning("the checkpoint was trained with other options of this package: %s; its weights are "
+                       "loaded into the model these options build, which may read them differently (to "
+                       "resume the checkpoint's training, give its values)", ", ".join(differ))
+
+
 @register_model("slot_transformer")
 class SlotTransformerModel(TransformerModel):
     """fairseq's transformer (Vaswani et al., 2017) with slots for this package's
@@ -412,6 +463,11 @@ class SlotTransformerModel(TransformerModel):
     another decoder set ``decoder_class``."""
 
     decoder_class = SlotTransformerDecoder
+
+    def __init__(self, args, encoder, decoder):
+        super().__init__(args, encoder, decoder)
+        self.register_state_dict_post_hook(_record_options)
+        self.register_load_state_dict_pre_hook(_warn_about_other_options)
 
     @classmethod
     def add_args(cls, parser):
@@ -457,7 +513,7 @@ class SlotTransformerModel(TransformerModel):
         return cls.decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
 
-@register_model_architecture("slot_transformer", "slot_transformer")
+@register_architecture("slot_transformer", "slot_transformer")
 def slot_transformer(args):
     """fairseq's ``transformer`` defaults, every slot at fairseq's module."""
     set_slot_defaults(args)

@@ -16,11 +16,12 @@ slot-wide ones are added here, so that ``fairseq-train --arch slot_transformer -
 lists every option of every slot.
 """
 import argparse
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch.nn as nn
 from fairseq.utils import safe_getattr
 
+from ..errors import UsageError
 from .options import slot_wide_mechanisms
 
 Filler = Callable[..., Optional[nn.Module]]
@@ -46,13 +47,18 @@ class Slot:
         self.option = option
         self._fillers: Dict[str, Filler] = {}
         self._selectable: List[str] = []
+        self._given_by: Dict[str, Callable[[Any], str]] = {}
 
     @property
     def dest(self) -> str:
         return self.option.lstrip("-").replace("-", "_")
 
-    def register(self, filler_name: str, selectable: bool = False):
-        """Decorator registering ``fn(cfg, **context) -> Optional[nn.Module]`` under a name."""
+    def register(self, filler_name: str, selectable: bool = False,
+                 given_by: Optional[Callable[[Any], str]] = None):
+        """Decorator registering ``fn(cfg, **context) -> Optional[nn.Module]`` under a name.
+        ``given_by(cfg)``: the options that turn the filler on, as the user types them, for
+        the message that refuses two fillers of one slot (default: ``--slot-option NAME`` for a
+        selectable filler, else the filler's name)."""
         if selectable and self.option is None:
             raise ValueError(f"the {self.name} slot has no option to select {filler_name!r}")
 
@@ -62,9 +68,17 @@ class Slot:
             self._fillers[filler_name] = fn
             if selectable:
                 self._selectable.append(filler_name)
+            if given_by is not None:
+                self._given_by[filler_name] = given_by
             return fn
 
         return wrapper
+
+    def given_by(self, filler_name: str, cfg) -> str:
+        """The command-line options that turned ``filler_name`` on for ``cfg``."""
+        if filler_name in self._given_by:
+            return self._given_by[filler_name](cfg)
+        return f"{self.option} {filler_name}" if filler_name in self._selectable else filler_name
 
     @property
     def choices(self) -> List[str]:
@@ -99,9 +113,9 @@ class Slot:
         """The module of the one filler that claims this exclusive slot for ``cfg``, or None."""
         claimed = self.build_all(cfg, **context)
         if len(claimed) > 1:
-            raise ValueError(
+            raise UsageError(
                 f"the {self.name} slot{_where(context)} is claimed by several mechanisms "
-                f"({', '.join(claimed)}): choose one"
+                f"({', '.join(self.given_by(name, cfg) for name in claimed)}): choose one"
             )
         return next(iter(claimed.values()), None)
 
@@ -119,16 +133,17 @@ ENCODER_MEMORY = Slot("encoder memory")  # not exclusive: read with build_all, n
 DECODER_OUTPUT = Slot("decoder output")
 SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
 
-def check_distinct_outputs(memories: Dict[str, nn.Module]):
+def check_distinct_outputs(memories: Dict[str, nn.Module], cfg):
     """Encoder memory modules declare the ``encoder_out`` entries they write
     (``output_keys``); two mechanisms writing one entry cannot be combined."""
     producers: Dict[str, str] = {}
     for name, module in memories.items():
         for key in module.output_keys:
             if key in producers:
-                raise ValueError(
+                given = [ENCODER_MEMORY.given_by(producer, cfg) for producer in (producers[key], name)]
+                raise UsageError(
                     f"the encoder output {key!r} is written by several mechanisms "
-                    f"({producers[key]}, {name}): choose one"
+                    f"({', '.join(given)}): choose one"
                 )
             producers[key] = name
 

@@ -260,7 +260,7 @@ def _image_channels(data: str, name: str) -> int:
     paths = sorted(glob.glob(os.path.join(data, f"*.{name}{NPY_SUFFIX}")))
     if not paths:
         raise DataError(f"image source {name}: no {os.path.join(data, '{split}.' + name + NPY_SUFFIX)} file")
-    channels = {path: ImageFeatureDataset(path).channels for path in paths}
+    channels = {path: ImageFeatureDataset(path, check_values=False).channels for path in paths}
     if len(set(channels.values())) > 1:
         raise DataError(f"image source {name}: files with different channels {channels}")
     return next(iter(channels.values()))
