@@ -26,3 +26,13 @@ def data_bin(tmp_path_factory):
     write_reversal_corpus(root)
     preprocess(root, root / "bin")
     return root / "bin"
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The tiny Bible's French -> English corpus (build_corpus's layout), for the experiment
+    runner. Built once, before any test reads the runner's log (the corpus builder reconfigures
+    logging)."""
+    from test_demo import tiny_corpus
+
+    return tiny_corpus(tmp_path_factory.mktemp("tiny"), "fr")

@@ -14,7 +14,6 @@ from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.experiments import corpora, grid, systems
 from mlmha_fairseq.experiments.config import load_config
 from mlmha_fairseq.output_files import exclusive_folder
-from test_demo import tiny_corpus
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "experiment")
 
@@ -27,12 +26,6 @@ beam = 1
 [corpus]
 dir = "{corpus}"
 """
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Built once, before any test reads the runner's log (the corpus builder reconfigures logging)."""
-    return tiny_corpus(tmp_path_factory.mktemp("tiny"), "fr")
 
 
 def commands(work):

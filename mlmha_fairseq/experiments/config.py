@@ -5,6 +5,7 @@ from typing import Dict, List, Optional
 
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.corpora import POSTPROCESS, Corpus
+from mlmha_fairseq.experiments.slurm import SlurmLauncher
 from mlmha_fairseq.experiments.grid import MODEL, TOKEN_BATCHES, Batching, Convergence, Settings
 from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES, System, lookup, multi_source_system
 
@@ -55,6 +56,17 @@ SCHEMA = {
     "warmup_updates": (_positive, "a positive integer"),
     "corpus": (lambda v: isinstance(v, dict), "a table ([corpus])"),
     "convergence": (lambda v: isinstance(v, dict), "a table ([convergence])"),
+    "launcher": (lambda v: isinstance(v, dict), "a table ([launcher]: Slurm)"),
+}
+LAUNCHER_SCHEMA = {
+    "partition": (_text, "a Slurm partition"),
+    "cpus_per_run": (_positive, "a positive integer"),
+    "gpus_per_run": (_count, "an integer >= 0"),
+    "time_min": (_positive, "a positive integer (minutes)"),
+    "mem_gb": (_count, "an integer >= 0 (0: the partition's default)"),
+    "sbatch": (lambda v: isinstance(v, dict) and all(isinstance(x, (str, int)) for x in v.values()),
+               "a table of further sbatch options, e.g. { qos = \"high\" }"),
+    "wait": (lambda v: isinstance(v, bool), "true or false"),
 }
 CONVERGENCE_SCHEMA = {
     "validate_every": (_positive, "a positive integer (updates between validations)"),
@@ -133,6 +145,7 @@ class Experiment:
     corpus: Dict
     settings: Dict
     baseline: str
+    launcher: Optional[SlurmLauncher] = None  # None: on this machine
 
 
 def load_config(path: str) -> Experiment:
@@ -176,6 +189,10 @@ def load_config(path: str) -> Experiment:
         if unsupported:  # validation BLEU (--eval-bleu) is the translation task's
             raise UsageError(f"{path}: [convergence] needs validation BLEU, which the multi-source task does "
                              f"not compute yet: remove {unsupported} or the [convergence] table")
+    launcher = config.get("launcher")
+    if launcher is not None:
+        check_table(launcher, LAUNCHER_SCHEMA, f"{path}: [launcher]")
+        launcher = SlurmLauncher(**{key: value for key, value in launcher.items()})
     corpus = config.get("corpus", {})
     check_table(corpus, CORPUS_SCHEMA, f"{path}: [corpus]")
     if not (corpus.get("dir") or corpus.get("sources") or corpus.get("data_bin")):
@@ -185,7 +202,7 @@ def load_config(path: str) -> Experiment:
         raise UsageError(f"{path}: [corpus] give raw or data_bin, not both")
     return Experiment(systems, seeds_from(config.get("seeds", 1), path),
                       config.get("work_dir", f"work-{os.path.splitext(os.path.basename(path))[0]}"),
-                      corpus, config, baseline)
+                      corpus, config, baseline, launcher)
 
 
 def settings_from(experiment: Experiment, corpus: Corpus, max_update: Optional[int]) -> Settings:

@@ -13,24 +13,12 @@ from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.text_io import read_lines
 from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
 from mlmha_fairseq.experiments.corpora import check_corpus, prepare_corpus
+from mlmha_fairseq.experiments import slurm
 from mlmha_fairseq.experiments.curves import write_curve_report
 from mlmha_fairseq.experiments.grid import Grid, minutes, report_failures
-from mlmha_fairseq.output_files import exclusive_folder
+from mlmha_fairseq.output_files import check_output_folder, exclusive_folder
 
 logger = logging.getLogger("mlmha_fairseq.experiment")
-
-
-def writable_folder(path: str, what: str) -> str:
-    """``path``, refused up front (before any training) unless it is or can be a folder this
-    process may write into."""
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{what} {path} exists and is not a folder")
-    if not os.access(path if os.path.isdir(path) else parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{what} {path} is not writable")
-    return path
 
 
 def visible_gpus() -> List[str]:
@@ -63,14 +51,20 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
     logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
                 len(grid.runs), settings.budget, work_dir)
-    gpus = visible_gpus()
-    settings.cpu = not gpus
-    jobs = args.jobs or max(1, len(gpus))
-    threads = args.threads or max(1, (os.cpu_count() or 1) // jobs)
-    logger.info("%d run(s) at a time, %d thread(s) each%s", jobs, threads,
-                f", on GPU(s) {', '.join(gpus)}" if gpus else ", on the CPU")
-    failures = [] if args.report_only else grid.execute(references, jobs=jobs,
-                                                        slot_env=lambda slot: slot_env(slot, threads, gpus))
+    # submitted to Slurm without waiting: runs finish later, a runner started again collects them
+    submitted_only = bool(experiment.launcher and not experiment.launcher.wait and not args.report_only)
+    if args.report_only:
+        failures = []
+    elif experiment.launcher:
+        failures = slurm.submit(grid, references, experiment.launcher)
+    else:
+        gpus = visible_gpus()
+        settings.cpu = not gpus
+        jobs = args.jobs or max(1, len(gpus))
+        threads = args.threads or max(1, (os.cpu_count() or 1) // jobs)
+        logger.info("%d run(s) at a time, %d thread(s) each%s", jobs, threads,
+                    f", on GPU(s) {', '.join(gpus)}" if gpus else ", on the CPU")
+        failures = grid.execute(references, jobs=jobs, slot_env=lambda slot: slot_env(slot, threads, gpus))
     systems = grid.hypotheses()
     tabled = bool(systems) and systems[0][0] == experiment.baseline
     if tabled:
@@ -80,6 +74,8 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
                              os.path.basename(args.config))
         print("\n" + table)
         logger.info("results: %s.{md,tex,json,png}", os.path.join(work_dir, "results"))
+    elif submitted_only:
+        logger.info("no finished run of the baseline %s yet: no table", experiment.baseline)
     else:
         logger.error("no finished run of the baseline %s: no table", experiment.baseline)
     if settings.convergence:  # the curves so far, finished runs or not
@@ -89,7 +85,7 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
             logger.info("learning curves: %s.{png,md,json}", os.path.join(work_dir, "results-curves"))
     report_failures(failures)
     logger.info("finished in %s", minutes(time.time() - grid.start))
-    return 0 if tabled and not failures else 1
+    return 0 if (tabled or submitted_only) and not failures else 1
 
 
 def run(args) -> int:
@@ -103,7 +99,8 @@ def run(args) -> int:
         experiment = load_config(args.config)
         if args.seeds is not None:
             experiment.seeds = seeds_from(args.seeds, "--seeds")
-        work_dir = writable_folder(args.work_dir or experiment.work_dir, "work directory")
+        work_dir = args.work_dir or experiment.work_dir
+        check_output_folder(work_dir, "work directory")
         check_corpus(experiment.corpus)
         if args.report_only:  # reads finished runs only (their files are written atomically)
             return run_grid(args, experiment, work_dir)

@@ -1,0 +1,63 @@
+"""The experiment runner on a real Slurm cluster (scripts/start_slurm.sh starts a one-node one
+as root; CI does), through submitit: a 2 x 2 grid submitted as jobs, one job cancelled with
+scancel, the runner started again resubmits it and collects all; the table equals a local run's."""
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from mlmha_fairseq.cli import experiment
+from mlmha_fairseq.experiments.slurm import JOB_FILE, queued_or_running
+
+
+def _cluster_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    result = subprocess.run(["sinfo", "-h", "-o", "%a"], capture_output=True, text=True)
+    return result.returncode == 0 and "up" in result.stdout
+
+
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(not _cluster_up(), reason="no Slurm cluster answers sinfo: "
+                                                    "start one with scripts/start_slurm.sh (as root)")]
+
+GRID = """
+work_dir = "{work}"
+seeds = 2
+systems = ["transformer", "MLMHA M-00"]
+max_update = 3
+beam = 1
+{launcher}
+[corpus]
+dir = "{corpus}"
+"""
+ARGS = ["--ar-trials", "20", "--bootstrap-samples", "20"]
+
+
+def test_a_grid_through_slurm_with_a_cancelled_job_resubmitted_equals_a_local_run(tmp_path, corpus):
+    slurm_work, local_work = tmp_path / "slurm", tmp_path / "local"
+    launcher = '[launcher]\ncpus_per_run = 1\ntime_min = 10\nwait = {wait}'
+    submit_only, collect = tmp_path / "submit.toml", tmp_path / "collect.toml"
+    submit_only.write_text(GRID.format(work=slurm_work, corpus=corpus, launcher=launcher.format(wait="false")))
+    collect.write_text(GRID.format(work=slurm_work, corpus=corpus, launcher=launcher.format(wait="true")))
+
+    assert experiment.main([str(submit_only), *ARGS]) == 0  # submitted, nothing to table yet
+    jobs = sorted(slurm_work.glob(f"runs/*/seed*/{JOB_FILE}"))
+    assert len(jobs) == 4
+    cancelled = (slurm_work / "runs" / "mlmha-m-00" / "seed2" / JOB_FILE).read_text().strip()
+    subprocess.run(["scancel", cancelled], check=True)
+    deadline = time.time() + 60
+    while queued_or_running(cancelled):
+        assert time.time() < deadline, f"job {cancelled} still queued after scancel"
+        time.sleep(1)
+
+    assert experiment.main([str(collect), *ARGS]) == 0  # resubmits the cancelled run, waits for all
+    resubmitted = (slurm_work / "runs" / "mlmha-m-00" / "seed2" / JOB_FILE).read_text().strip()
+    assert resubmitted != cancelled
+
+    local = tmp_path / "local.toml"
+    local.write_text(GRID.format(work=local_work, corpus=corpus, launcher=""))
+    assert experiment.main([str(local), *ARGS, "--threads", "1"]) == 0
+    slurm_table = json.loads((slurm_work / "results.json").read_text())["systems"]
+    assert slurm_table == json.loads((local_work / "results.json").read_text())["systems"]
