@@ -13,7 +13,7 @@ from mlmha_fairseq.cli import experiment
 from test_demo import tiny_corpus
 
 SPLITS = ("train", "valid", "test")
-GRID = 'work_dir = "{work}"\nsystems = ["transformer", "MLMHA M-00"]\nmax_update = 3\nbeam = 1\n[corpus]\n{corpus}\n'
+GRID = 'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 3\nbeam = 1\n[corpus]\n{corpus}\n'
 ARGS = ["--ar-trials", "10", "--bootstrap-samples", "10", "--threads", "1"]
 
 

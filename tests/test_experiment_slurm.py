@@ -58,6 +58,6 @@ def test_a_grid_through_slurm_with_a_cancelled_job_resubmitted_equals_a_local_ru
 
     local = tmp_path / "local.toml"
     local.write_text(GRID.format(work=local_work, corpus=corpus, launcher=""))
-    assert experiment.main([str(local), *ARGS, "--threads", "1"]) == 0
+    assert experiment.main([str(local), *ARGS, "--jobs", "2", "--threads", "1"]) == 0
     slurm_table = json.loads((slurm_work / "results.json").read_text())["systems"]
     assert slurm_table == json.loads((local_work / "results.json").read_text())["systems"]
