@@ -8,7 +8,12 @@ the package (as ``--user-dir`` does) installs :func:`excepthook`, which prints s
 the interpreter's usual traceback.
 """
 import os
+import pickle
+import re
 import sys
+from typing import Optional
+
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
 class UsageError(ValueError):
@@ -21,9 +26,22 @@ def format_usage_error(exc: BaseException, prog: str = "") -> str:
     return f"{prog}: error: {' '.join(str(exc).split())}"
 
 
+def unsafe_checkpoint_message(error: BaseException) -> Optional[str]:
+    """One line for torch's refusal of a checkpoint under safe (``weights_only``) loading,
+    naming the refused global; None for any other error. torch's own message advises loading
+    with ``weights_only=False``, which would run the code the file carries: it is left out."""
+    if not isinstance(error, pickle.UnpicklingError) or "Weights only load failed" not in str(error):
+        return None
+    match = _REFUSED_GLOBAL.search(str(error))
+    what = match.group(1) if match else "an object"
+    return (f"the checkpoint holds {what}, which safe loading refuses: fairseq checkpoints store no such "
+            "thing, so the file carries code or was not written by fairseq; do not load it")
+
+
 def excepthook(exc_type, exc, tb, previous=None):
-    if issubclass(exc_type, UsageError):
-        print(format_usage_error(exc), file=sys.stderr)
+    message = str(exc) if issubclass(exc_type, UsageError) else unsafe_checkpoint_message(exc)
+    if message is not None:
+        print(format_usage_error(message), file=sys.stderr)
         return
     (previous or sys.__excepthook__)(exc_type, exc, tb)
 

@@ -21,6 +21,7 @@ from mlmha_fairseq.experiments import grid, systems
 from mlmha_fairseq.compat import EVALUATED_OPTIONS, CheckedNamespace, is_code
 from mlmha_fairseq.evaluation.model_loading import load_model
 from mlmha_fairseq.evaluation.text_io import InputError
+from test_bad_input import _RunsCommandWhenUnpickled
 from test_eval_bad_input import cli_error
 
 # the options of this package's models (and fairseq's transformer) that fairseq evaluates
@@ -186,4 +187,19 @@ def test_the_runner_and_the_demo_refuse_to_decode_a_checkpoint_with_code_in_an_o
     first = str(failure.value).splitlines()[0]
     assert first.startswith("fairseq_cli.generate failed (1): ") and "adaptive_softmax_cutoff=" in first
     assert REFUSED in first
+    assert not sentinel.exists()
+
+
+def test_a_pickled_callable_is_refused_by_the_package_tools_naming_it_without_the_unsafe_advice(trained, data_bin,
+                                                                                               tmp_path, capsys):
+    sentinel = tmp_path / "code-ran"
+    state = torch.load(trained, weights_only=False)
+    state["extra_state"]["payload"] = _RunsCommandWhenUnpickled(sentinel)
+    malicious = tmp_path / "malicious.pt"
+    torch.save(state, malicious)
+    line = cli_error(attention_stats.main, [malicious, "--data-bin", data_bin, "--split", "test",
+                                            "--output-prefix", tmp_path / "out"], capsys)
+    assert line.endswith(f"error: checkpoint {malicious}: the checkpoint holds posix.system, which safe loading "
+                         "refuses: fairseq checkpoints store no such thing, so the file carries code or was not "
+                         "written by fairseq; do not load it")
     assert not sentinel.exists()

@@ -4,17 +4,15 @@ import contextlib
 import os
 import pickle
 import random
-import re
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from mlmha_fairseq.compat import UnsafeCheckpointError, check_stored_options
+from mlmha_fairseq.errors import unsafe_checkpoint_message
 from mlmha_fairseq.evaluation.text_io import InputError, read_lines
 
 DEFAULT_BATCH_SIZE = 32
-# What torch's "Weights only load failed" message says about the refused content.
-_UNPICKLER_DETAIL = re.compile(r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)", re.S)
 
 
 @contextlib.contextmanager
@@ -29,11 +27,8 @@ def checkpoint_errors(path: str):
     except EOFError as error:
         raise InputError(f"checkpoint {path} is empty or truncated") from error
     except pickle.UnpicklingError as error:
-        match = _UNPICKLER_DETAIL.search(str(error))
-        detail = " ".join(match.group(1).split()) if match else str(error).splitlines()[0]
-        raise InputError(f"checkpoint {path} cannot be loaded safely ({detail}): it is not a "
-                         "fairseq checkpoint of this package or fairseq; never turn safe "
-                         "loading off (weights_only=False) for a file you did not make") from error
+        message = unsafe_checkpoint_message(error) or " ".join(str(error).split())
+        raise InputError(f"checkpoint {path}: {message}") from None
     except RuntimeError as error:
         if "PytorchStreamReader" not in str(error):
             raise
