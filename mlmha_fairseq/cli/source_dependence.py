@@ -28,7 +28,8 @@ def build_parser():
     parser.add_argument("--data-bin", help="the data-bin to read the split from (default: the checkpoint's)")
     parser.add_argument("--split", default="valid", help="binarized split (default: %(default)s)")
     parser.add_argument("--hypotheses", nargs="+", default=[],
-                        help="one plain-text hypothesis file per checkpoint, for the diversity columns")
+                        help="one plain-text hypothesis file per checkpoint, for the diversity columns "
+                             "(default: none)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the derangements (default: %(default)s)")
     parser.add_argument("--max-tokens", type=cli_support.positive_int, default=DEFAULT_MAX_TOKENS,
                         help="tokens per batch (default: %(default)s)")
