@@ -651,10 +651,10 @@ def test_restart_adam_second_phase_starts_with_fresh_moments(data_bin, tmp_path)
 # ----------------------------------------------------------------------------- Figure 5 data
 
 
-def hop_weight_checkpoint(tmp_path, decoder_function):
+def hop_weight_checkpoint(tmp_path, decoder_function, encoder_function="none"):
     data_dir = write_data_bin(tmp_path / "bin")
     cfg, _, model = build_task_and_model(str(data_dir), extra_args=[
-        "--arch", "slot_transformer", *fusion("none", decoder_function)])
+        "--arch", "slot_transformer", *fusion(encoder_function, decoder_function)])
     return data_dir, save_checkpoint(tmp_path / "model.pt", cfg, model)
 
 
@@ -677,6 +677,21 @@ def test_hop_weight_analysis_writes_data_and_heat_maps(tmp_path):
     assert len(rows) == 1 + (5 + 2) * HOPS * (DECODER_LAYERS + 1)
     assert (tmp_path / "out" / "hops_line2.png").stat().st_size > 0
     assert not (tmp_path / "out" / "hops_line3.png").exists()
+
+
+def test_hop_weight_analysis_reads_the_encoder_side_of_an_enc_sa_model(tmp_path):
+    data_dir, checkpoint = hop_weight_checkpoint(tmp_path, "none", encoder_function="sa")
+    (tmp_path / "src.txt").write_text("w1 w2 w3\n")
+    (tmp_path / "tgt.txt").write_text("w3 w2 w1\n")
+    prefix = str(tmp_path / "out" / "hops")
+    mlrf_hop_weights.main([str(checkpoint), "--data-bin", str(data_dir), "--side", "encoder", "--source",
+                           str(tmp_path / "src.txt"), "--target", str(tmp_path / "tgt.txt"), "--plots", "0",
+                           "--output-prefix", prefix])
+    result = json.loads(open(prefix + ".json").read())
+    weights = torch.tensor(result["sentences"][0]["weights"])  # n_hop x K x source positions (EOS included)
+    encoder_layers = 2  # hop_weight_checkpoint's model: tests/fixtures/tiny_fairseq.py
+    assert result["layers"] == ["l0", "l1", "l2"] and weights.shape == (HOPS, encoder_layers + 1, 4)
+    torch.testing.assert_close(weights.sum(1), torch.ones(HOPS, 4))
 
 
 def test_hop_weight_analysis_needs_an_sa_fusion(tmp_path, capsys):

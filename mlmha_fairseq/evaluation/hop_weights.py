@@ -26,9 +26,12 @@ MAX_TICK_LABELS = 60  # longer sentences get no token labels (they would overlap
 
 def fusion_of(model, side: str) -> LayerFusion:
     """The MLRF fusion of ``side``; an :class:`InputError` unless it is an SA fusion."""
-    stack = model.encoder if side == ENCODER else model.decoder
-    fusion = getattr(stack, "memory" if side == ENCODER else "output_fusion", None)
-    if not isinstance(fusion, LayerFusion) or not isinstance(
+    if side == ENCODER:  # one of the encoder's memory modules (slot_transformer's memory slot)
+        candidates = list(getattr(model.encoder, "memories", {}).values())
+    else:
+        candidates = [getattr(model.decoder, "output_fusion", None)]
+    fusion = next((module for module in candidates if isinstance(module, LayerFusion)), None)
+    if fusion is None or not isinstance(
             getattr(fusion.fusion, "attention", None), LayerAttention):
         raise InputError(f"the model has no SA fusion on the {side} side "
                          f"(trained with --mlrf-{side}-fusion sa?)")
