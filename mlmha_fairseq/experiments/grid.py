@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -355,17 +354,18 @@ class Grid:
                                                     f"seed{seed}"))
                      for seed in seeds for system in systems]
         self.start = time.time()
-        self.trained_updates = 0  # in this session, for the time estimate
-        self.training_seconds = 0.0  # summed over runs (several at a time with jobs > 1)
-        self._lock = threading.Lock()
+        self.jobs = 1  # runs at a time (execute's), for the time estimate
 
     def _progress(self, number: int, run: Run, run_start: float, first_update: int) -> None:
+        """One line per running run: its updates, and the grid's remaining training time at
+        this run's speed with ``self.jobs`` runs at a time (an upper bound when runs may stop
+        early at convergence)."""
         done = last_update(run.path("logs", "train.log"))
-        left = self.settings.max_update - done
-        left += sum(self.settings.max_update for later in self.runs[number:] if not later.finished)
-        updates = self.trained_updates + max(0, done - first_update)
-        seconds = self.training_seconds + time.time() - run_start
-        remaining = f"~{minutes(left * seconds / updates)}" if updates else "unknown"
+        left = sum(self.settings.max_update - last_update(other.path("logs", "train.log"))
+                   for other in self.runs if not other.finished)
+        seconds = (time.time() - run_start) / max(1, done - first_update)
+        bound = "at most " if self.settings.convergence else ""
+        remaining = f"{bound}~{minutes(left * seconds / self.jobs)}" if done > first_update else "unknown"
         logger.info("run %d of %d, %s: %d/%d updates; elapsed %s, remaining %s (training)", number,
                     len(self.runs), run.name, done, self.settings.max_update, minutes(time.time() - self.start),
                     remaining)
@@ -376,6 +376,7 @@ class Grid:
         message) in the grid's order. ``slot_env(k)`` is added to the environment of the
         commands of the runs in slot k (0 .. jobs-1: its threads, its GPU). ``after_run`` is
         called after each finished run (e.g. extra decodings)."""
+        self.jobs = jobs
         slots: "queue.Queue[int]" = queue.Queue()
         for slot in range(jobs):
             slots.put(slot)
@@ -413,10 +414,6 @@ class Grid:
             except (RunFailed, UsageError, ValueError) as failure:
                 logger.error("run %d of %d, %s FAILED: %s", number, len(self.runs), run.name, failure)
                 return [(run, str(failure).splitlines()[0])]
-            finally:
-                with self._lock:
-                    self.trained_updates += max(0, last_update(run.path("logs", "train.log")) - first_update)
-                    self.training_seconds += time.time() - run_start
         if after_run:
             try:
                 after_run(run)
