@@ -35,6 +35,7 @@ MECHANISMS = {
        for v in VARIANTS},
     **{f"aggregation {a}": ["slot_transformer", "--layer-aggregation", a]
        for a in ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")},
+    "dlcl": ["slot_transformer", "--dlcl-encoder"],
     "mlrf Enc-FNN": ["slot_transformer", "--mlrf-encoder-fusion", "fnn"],
     "mlrf Dec-SA": ["slot_transformer", "--mlrf-decoder-fusion", "sa", "--mlrf-indep-w1"],
     "mma": ["slot_transformer", "--encoder-self-attention", "mixed", "--encoder-attention-heads", "4"],

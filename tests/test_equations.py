@@ -286,3 +286,56 @@ def test_transparent_attention_gives_each_decoder_layer_its_own_mixture(norm, le
                 for j in range(DECODER_LAYERS)]
     expected = reference_logits(params, src, prev, pad, norm, memories=memories)
     torch.testing.assert_close(model_logits(model, src, lengths, prev), expected, atol=ATOL, rtol=1e-5)
+
+
+# --- DLCL: Wang et al. 2019, §3 -------------------------------------------------------------
+
+DLCL = "encoder.layer_inputs"
+
+
+def dlcl_encoder(params, src, pad, pre_norm):
+    """The encoder with DLCL, from the paper: layer l+1 reads ``x_{l+1} = G(y_0, ..., y_l)``
+    (§3), ``sum_k W_{l+1,k} LN(y_k)`` in pre-norm, ``LN(sum_k W_{l+1,k} y_k)`` in
+    post-norm; the encoder output is row L+1 over ``y_0..y_L`` (then the final LayerNorm
+    in pre-norm). The authors' code: ``y_0`` is never normalised, and the first layer's input in
+    post-norm is ``W_{1,0} y_0`` without a LayerNorm. Returns ``(out, padding_mask)``."""
+    padding_mask = src.eq(pad)
+    outputs = [ref.embed(src, params, "encoder.embed_tokens", pad) * (~padding_mask)[..., None]]  # y_0
+
+    def layer_norm(k, x):  # the k-th LayerNorm of the combination, k = 1..L
+        return ref.layer_norm(x, params, f"{DLCL}.layer_norms.{k - 1}")
+
+    def combination(l):  # x_{l+1} from y_0..y_l, row l+1 of W
+        w = params[f"{DLCL}.weights.{l}"]
+        if pre_norm:
+            return sum(w[k] * (layer_norm(k, y) if k > 0 else y) for k, y in enumerate(outputs))
+        summed = sum(w[k] * y for k, y in enumerate(outputs))
+        return layer_norm(l, summed) if l > 0 else summed
+
+    attend = ref.standard_self_attention(HEADS, causal=False)
+    for i in range(ENCODER_LAYERS):
+        name = f"encoder.layers.{i}"
+        x = ref.sublayer(combination(i), params, f"{name}.self_attn_layer_norm", pre_norm,
+                         lambda r: attend(r, params, f"{name}.self_attn", padding_mask))
+        outputs.append(ref.sublayer(x, params, f"{name}.final_layer_norm", pre_norm,
+                                    lambda h: ref.ffn(h, params, name)))
+    out = combination(ENCODER_LAYERS)
+    return (ref.layer_norm(out, params, "encoder.layer_norm") if pre_norm else out), padding_mask
+
+
+@NORMS
+@PADDING
+def test_dlcl_encoder_layers_read_the_dynamic_linear_combination_of_all_layers_below(norm, left_pad):
+    model, params, src, lengths, prev, pad = model_and_batch("slot_transformer", "--dlcl-encoder", *norm,
+                                                             left_pad=left_pad)
+    pre_norm = bool(norm)
+    out, mask = dlcl_encoder(params, src, pad, pre_norm)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=lengths)
+    real = (~mask).transpose(0, 1)  # T x B
+    torch.testing.assert_close(encoder_out["encoder_out"][0][real], out.transpose(0, 1)[real], atol=ATOL, rtol=1e-5)
+    states = ref.decoder_states(prev, [out] * DECODER_LAYERS, mask, params, "decoder", HEADS, pre_norm, pad)
+    expected = ref.decoder_output(states[-1], params, "decoder", pre_norm)
+    torch.testing.assert_close(model_logits(model, src, lengths, prev), expected, atol=ATOL, rtol=1e-5)
+    # the combination matters: the plain encoder with the same weights is another function
+    assert (reference_logits(params, src, prev, pad, norm) - expected).abs().max() > 1e-2

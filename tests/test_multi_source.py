@@ -841,6 +841,15 @@ def test_round_trip_two_text_sources(n_way_bin, tmp_path):
     assert_generates_the_test_set(n_way_bin, tmp_path / "checkpoint_last.pt", *options_, "--gnmt-lenpen", "1.0")
 
 
+def test_checkpoint_activations_round_trip_serial(n_way_bin, tmp_path):
+    """fairseq-train --checkpoint-activations (3 updates) -> fairseq-generate; the gradients
+    of every architecture with and without it: tests/test_checkpoint_activations.py."""
+    options_ = task_options("s1,s2,img", "--image-sources", "img")
+    run_fairseq("train", *train_args(n_way_bin, tmp_path, "multi_source_transformer", *options_,
+                                     "--combination-strategy", "serial", "--checkpoint-activations"))
+    assert_generates_the_test_set(n_way_bin, tmp_path / "checkpoint_last.pt", *options_)
+
+
 def test_round_trip_text_and_image_features_with_adversarial_images(n_way_bin, tmp_path):
     options_ = task_options("s1,img", "--image-sources", "img")
     run_fairseq("train", *train_args(n_way_bin, tmp_path, "multimodal_transformer_multi30k", *options_,

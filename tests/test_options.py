@@ -25,6 +25,7 @@ MECHANISM_MODELS = {
     "encoder without positions": ("slot_transformer", []),
     "the Dual Contextual module": ("slot_transformer", []),
     "MLRF": ("slot_transformer", []),
+    "DLCL": ("slot_transformer", []),
     "multi-level supervision": ("ms_transformer", ["--aux-decoder-layers", "none"]),
     "the multi-source input combination": ("multi_source_transformer", []),
 }
@@ -195,6 +196,7 @@ def test_option_listing_command_line():
      {"MMA": 1, "the Dual Contextual module": 1, "the collected encoder layers of MLMHA and layer aggregation": 1,
       "MLRF": 1}),
     ("ms_transformer", ["--aux-decoder-layers", "1,2", "--aux-fusion"], {"multi-level supervision": 1}),
+    ("slot_transformer", ["--dlcl-encoder"], {"DLCL": 1}),
 ])
 def test_each_mechanism_parses_its_options_once_per_model(arch, extra, mechanisms):
     """Every layer's filler asks for the options; they are parsed and validated once."""

@@ -160,6 +160,7 @@ def test_fairseq_train_refuses_mechanism_options_in_one_line(data_bin, tmp_path,
      "--decoder-cross-attention multi-layer, --layer-aggregation transparent"),
     (["--encoder-self-attention", "mixed", "--dc-encoder-layers", "all"],
      "--encoder-self-attention mixed, --dc-encoder-layers all"),
+    (["--dlcl-encoder", "--layer-aggregation", "c-agg"], "--layer-aggregation c-agg, --dlcl-encoder"),
 ])
 def test_conflicting_mechanisms_are_usage_errors_naming_both_options(extra, options):
     with pytest.raises(UsageError, match=r"(claimed by|written by) several mechanisms") as error:

@@ -68,6 +68,8 @@ SYSTEMS: List[System] = [
     System("MS-1", "ms_transformer", ["--aux-decoder-layers", "1", *JOINT_LOSS]),
     System("MS-1 + AIF", "ms_transformer", ["--aux-decoder-layers", "1", "--aux-fusion", *JOINT_LOSS]),
     System("MS-123 + AIF", "ms_transformer", ["--aux-decoder-layers", "1,2,3", "--aux-fusion", *JOINT_LOSS]),
+    # dynamic linear combination of layers (Wang et al. 2019), encoder side
+    System("DLCL", "slot_transformer", ["--dlcl-encoder"], key="dlcl"),
 ]
 BASELINE = SYSTEMS[0]
 
@@ -78,7 +80,7 @@ DEMO_SYSTEMS: List[System] = SYSTEMS[:12]
 BENCHMARK_KEYS = (
     "transformer", "slot_transformer", "mlmha M-00", "mlmha M-01", "mlmha M-10", "mlmha M-11",
     "aggregation s-agg", "aggregation iter-s-agg", "aggregation c-agg", "aggregation iter-c-agg",
-    "aggregation transparent", "mlrf Enc-FNN", "mlrf Dec-SA", "mlrf Dec-SA + indep. W1", "mlrf Both-FNN-SA",
+    "aggregation transparent", "dlcl", "mlrf Enc-FNN", "mlrf Dec-SA", "mlrf Dec-SA + indep. W1", "mlrf Both-FNN-SA",
     "mma", "dc encoder", "dc decoder", "dc full", "MS-1", "MS-1 + AIF", "MS-123 + AIF",
 )
 

@@ -10,11 +10,15 @@ Fills three slots of the slot Transformer:
   layer aggregation (``--layer-aggregation s-agg|iter-s-agg|c-agg|iter-c-agg``) that replaces
   the top encoder layer for every decoder layer;
 * Transparent Attention (``--layer-aggregation transparent``, Bapna et al. 2018): one learned
-  mixture of all encoder states (embedding included) per decoder layer.
+  mixture of all encoder states (embedding included) per decoder layer;
+* encoder layer inputs: DLCL (``--dlcl-encoder``, Wang et al. 2019): every encoder layer reads a
+  learned linear combination of the embedding output and all layers below it, and the encoder's
+  output (every decoder layer's memory) is the same combination over all of them.
 
 Presets: ``mlmha_transformer_iwslt``, ``mlmha_transformer_wmt_en_de``,
 ``layer_aggregation_transformer_iwslt``, ``layer_aggregation_transformer_wmt_en_de`` (pre-norm,
-as the authors' code), and each with the suffix ``_post_norm`` (post-norm, as the equations).
+as the authors' code), and each with the suffix ``_post_norm`` (post-norm, as the equations);
+``dlcl_transformer_wmt_en_de`` and ``dlcl_transformer_iwslt`` (pre-norm, deeper encoders).
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -25,6 +29,7 @@ from torch import Tensor, nn
 from fairseq.modules import MultiheadAttention
 
 from ..errors import UsageError
+from ..modules.dynamic_layer_combination import DynamicLinearCombination
 from ..modules.layer_aggregation import (
     LAYER_AGGREGATION_CHOICES,
     TransparentCombination,
@@ -33,8 +38,8 @@ from ..modules.layer_aggregation import (
 from ..modules.multi_layer_attention import VARIANTS, MultiLayerMultiheadAttention, parse_variant
 from ..modules.source_feature_collector import SourceFeatureCollector
 from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
-from .presets import post_norm, thesis_base, thesis_pre_norm, thesis_small
-from .slots import DECODER_CROSS_ATTENTION, ENCODER_MEMORY
+from .presets import post_norm, set_sizes, thesis_base, thesis_pre_norm, thesis_small
+from .slots import DECODER_CROSS_ATTENTION, ENCODER_LAYER_INPUTS, ENCODER_MEMORY
 
 MULTI_LAYER = "multi-layer"
 TRANSPARENT = "transparent"
@@ -77,6 +82,33 @@ LAYER_AGGREGATION = register_mechanism(Mechanism(
                argparse=dict(choices=(NO_AGGREGATION, TRANSPARENT) + LAYER_AGGREGATION_CHOICES),
                is_switch=True),
     )))
+
+
+@dataclass(frozen=True)
+class DLCLOptions:
+    """The encoder stack DLCL combines: its layers and width, and where its LayerNorms go
+    (pre-norm: on each layer output; post-norm: after each sum; Wang et al. 2019, §3)."""
+
+    num_layers: int
+    embed_dim: int
+    normalize_before: bool
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "DLCLOptions":
+        if cfg.encoder.layers < 1:
+            raise UsageError(f"--dlcl-encoder needs at least one encoder layer, got --encoder-layers "
+                             f"{cfg.encoder.layers}")
+        return cls(cfg.encoder.layers, cfg.encoder.embed_dim, cfg.encoder.normalize_before)
+
+
+DLCL = register_mechanism(Mechanism(
+    "DLCL", Switch("--dlcl-encoder", lambda args: bool(getattr(args, "dlcl_encoder", False))), (
+        Option("--dlcl-encoder", False, "dynamic linear combination of layers (Wang et al. 2019): "
+               "every encoder layer reads a learned weighted sum of the embedding output and all "
+               "layers below it, the encoder output is the weighted sum of all of them",
+               argparse=dict(action="store_true"), is_switch=True),
+    ), parse=DLCLOptions.from_cfg))
+
 
 @dataclass(frozen=True)
 class CollectedLayers:
@@ -255,6 +287,21 @@ def build_transparent_memories(cfg, num_layers):
     return TransparentMemories(num_layers + 1, cfg.decoder.layers)
 
 
+class DLCLEncoderLayerInputs(DynamicLinearCombination):
+    """DLCL as the encoder's layer inputs. Its last row makes ``encoder_out``, the memory every
+    decoder layer attends to, so a mechanism that replaces ``encoder_out`` is refused with it."""
+
+    output_keys = ("encoder_out",)
+
+
+@ENCODER_LAYER_INPUTS.register("dlcl", given_by=lambda cfg: "--dlcl-encoder")
+def build_dlcl_layer_inputs(cfg, num_layers):
+    if not cfg.dlcl_encoder:
+        return None
+    options = DLCL.parsed(cfg)
+    return DLCLEncoderLayerInputs(options.num_layers, options.embed_dim, options.normalize_before)
+
+
 @register_architecture("slot_transformer", "mlmha_transformer_iwslt")
 def mlmha_transformer_iwslt(args):
     """MLMHA, IWSLT Es-En / En-Vi (Ampomah et al. 2020, §4.1): n = L = 4, M-00; pre-norm with a LayerNorm
@@ -314,3 +361,26 @@ def layer_aggregation_transformer_iwslt_post_norm(args):
 def layer_aggregation_transformer_wmt_en_de_post_norm(args):
     post_norm(args)
     layer_aggregation_transformer_wmt_en_de(args)
+
+
+# DLCL (Wang et al. 2019): pre-norm, as the paper's deep systems, with an encoder deeper than the
+# decoder (the paper deepens the encoder only, §4).
+@register_architecture("slot_transformer", "dlcl_transformer_wmt_en_de")
+def dlcl_transformer_wmt_en_de(args):
+    """DLCL on the base Transformer (d=512, 8 heads, FFN 2048), pre-norm, 20 encoder and 6
+    decoder layers [choice: the authors' deep presets have 25 (post-norm) and 30 (pre-norm)
+    encoder layers; ``--encoder-layers 30`` gives theirs]."""
+    args.dlcl_encoder = getattr(args, "dlcl_encoder", True)
+    args.encoder_layers = getattr(args, "encoder_layers", 20)
+    thesis_pre_norm(args)
+    thesis_base(args)
+
+
+@register_architecture("slot_transformer", "dlcl_transformer_iwslt")
+def dlcl_transformer_iwslt(args):
+    """DLCL on the small IWSLT Transformer of this family (d=256, 4 heads, FFN 1024), pre-norm,
+    8 encoder and 4 decoder layers [choice: twice the encoder depth of ``thesis_small``]."""
+    args.dlcl_encoder = getattr(args, "dlcl_encoder", True)
+    set_sizes(args, embed_dim=256, heads=4, ffn=1024, encoder_layers=8, decoder_layers=4)
+    thesis_pre_norm(args)
+    thesis_small(args)

@@ -70,6 +70,16 @@ MASKS_KEY = "multi_source_padding_masks"  # encoder_out entry: one B x S_k mask 
 PADDING_MASK = "encoder_padding_mask"
 
 
+def source_memory_extra(k: int) -> str:
+    """Name of source k's memory among the decoder layers' per-call extras."""
+    return f"source_memory_{k}"
+
+
+def source_mask_extra(k: int) -> str:
+    """Name of source k's padding mask among the decoder layers' per-call extras."""
+    return f"source_padding_mask_{k}"
+
+
 INPUT_COMBINATION = register_mechanism(Mechanism(
     "the multi-source input combination", Switch("--combination-strategy", lambda args: True), (
         Option("--combination-strategy", SERIAL, "how the decoder combines the sources (Libovicky "
@@ -189,10 +199,20 @@ class MultiSourceDecoderLayer(SlotTransformerDecoderLayer):
             primary_index=self.sources.primary_index, hier_heads=self.combination.hier_heads,
         )
 
+    def forward(self, x, encoder_out=None, encoder_padding_mask=None, *args, **extras):
+        """The slot layer's forward with ``encoder_out`` and ``encoder_padding_mask`` the
+        lists of the n memories and masks, which arrive one tensor per extra
+        (:meth:`MultiSourceDecoder.extract_features`) so that fairseq's checkpoint wrapper
+        sees each of them (:meth:`SlotTransformerDecoderLayer.__call__`)."""
+        if source_memory_extra(0) in extras:
+            encoder_out = [extras.pop(source_memory_extra(k)) for k in range(len(self.sources))]
+            encoder_padding_mask = [extras.pop(source_mask_extra(k)) for k in range(len(self.sources))]
+        return super().forward(x, encoder_out, encoder_padding_mask, *args, **extras)
+
     def cross_attention_stage(self, x, encoder_out, encoder_padding_mask, incremental_state,
                               prev_attn_state, need_attn: bool, need_head_weights: bool):
         """``encoder_out``/``encoder_padding_mask``: the lists of the n memories and masks
-        (:meth:`MultiSourceDecoder.cross_attention_memory`)."""
+        (:meth:`forward`)."""
         return self.encoder_attn(
             x, encoder_out, encoder_padding_mask, incremental_state,
             need_weights=need_attn or (not self.training and self.need_attn),
@@ -202,7 +222,7 @@ class MultiSourceDecoderLayer(SlotTransformerDecoderLayer):
 
 class MultiSourceDecoder(SlotTransformerDecoder):
     """The slot decoder with :class:`MultiSourceDecoderLayer` layers, which receive all n
-    memories and masks through fairseq's own layer loop."""
+    memories and masks through fairseq's own layer loop, as per-call extras."""
 
     def __init__(self, cfg, dictionary, embed_tokens, combination: CombinationOptions,
                  sources: SourceLayout):
@@ -214,16 +234,30 @@ class MultiSourceDecoder(SlotTransformerDecoder):
         layer = MultiSourceDecoderLayer(cfg, next_layer_index(self), self.combination, self.sources)
         return wrap_layer(layer, cfg)
 
-    def cross_attention_memory(self, encoder_out):
-        """fairseq's loop hands ``encoder_out["encoder_out"][0]`` and
-        ``encoder_out["encoder_padding_mask"][0]`` to every layer: make them the lists of
-        per-source memories and masks."""
-        if encoder_out is None:
-            return None
-        if MEMORY_KEY not in encoder_out:
-            raise KeyError("the multi-source decoder needs the multi-source encoder's output")
-        return {**encoder_out, ENCODER_OUT: [encoder_out[MEMORY_KEY]],
-                PADDING_MASK: [encoder_out[MASKS_KEY]]}
+    def extract_features(
+        self,
+        prev_output_tokens,
+        encoder_out: Optional[Dict[str, List[Tensor]]],
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        full_context_alignment: bool = False,
+        alignment_layer: Optional[int] = None,
+        alignment_heads: Optional[int] = None,
+        layer_extras: Optional[Dict[str, Tensor]] = None,
+    ):
+        """The slot decoder's features, every layer given each source's memory and mask as
+        an extra of its own (a list in one argument would be a constant to fairseq's
+        checkpoint wrapper)."""
+        extras = dict(layer_extras or {})
+        if encoder_out is not None:
+            if MEMORY_KEY not in encoder_out:
+                raise KeyError("the multi-source decoder needs the multi-source encoder's output")
+            for k, (memory, mask) in enumerate(zip(encoder_out[MEMORY_KEY], encoder_out[MASKS_KEY])):
+                extras[source_memory_extra(k)] = memory
+                extras[source_mask_extra(k)] = mask
+        return super().extract_features(
+            prev_output_tokens, encoder_out, incremental_state, full_context_alignment,
+            alignment_layer, alignment_heads, layer_extras=extras,
+        )
 
 
 @register_model("multi_source_transformer")

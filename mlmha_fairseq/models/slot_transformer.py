@@ -55,6 +55,7 @@ from .slots import (
     DECODER_CROSS_ATTENTION,
     DECODER_OUTPUT,
     DECODER_SELF_ATTENTION,
+    ENCODER_LAYER_INPUTS,
     ENCODER_MEMORY,
     ENCODER_SELF_ATTENTION,
     SELECTABLE_SLOTS,
@@ -103,11 +104,13 @@ class SlotTransformerEncoderLayer(TransformerEncoderLayerBase):
 class LayerInput(NamedTuple):
     """What the slot decoder hands each layer in place of fairseq's ``encoder_out`` tensor
     when mechanisms have per-call inputs for the layers: the memory the cross-attention
-    attends to, and the named extras (e.g. AIF's auxiliary features). fairseq's layer loop
-    passes it on unchanged, so the extras reach the layer through its call."""
+    attends to, and the named extras (e.g. AIF's auxiliary features, the multi-source
+    memories), each one tensor. fairseq's layer loop passes it on unchanged; the layer's call
+    hands the extras to ``forward`` as keyword arguments
+    (:meth:`SlotTransformerDecoderLayer.__call__`)."""
 
     memory: Any
-    extras: Dict[str, Tensor]
+    extras: Dict[str, Optional[Tensor]]
 
 
 class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
@@ -134,6 +137,19 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         module = DECODER_CROSS_ATTENTION.build(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)
         return module if module is not None else super().build_encoder_attention(embed_dim, cfg)
 
+    def __call__(self, x, encoder_out=None, *args, **kwargs):
+        """fairseq's layer call; ``encoder_out`` may be a :class:`LayerInput`, whose extras
+        reach ``forward`` as keyword tensors. Unpacked here, before ``nn.Module`` calls
+        ``forward``: with ``--checkpoint-activations`` fairseq's ``checkpoint_wrapper``
+        replaces ``forward`` and makes only the top-level tensor arguments inputs of the
+        recomputed layer. A tensor inside a LayerInput would not be one: every layer's
+        recomputation would run backward into that tensor's graph by itself, and the second
+        layer would find it freed ("Trying to backward through the graph a second time")."""
+        if isinstance(encoder_out, LayerInput):
+            encoder_out, extras = encoder_out
+            return super().__call__(x, encoder_out, *args, **kwargs, **extras)
+        return super().__call__(x, encoder_out, *args, **kwargs)
+
     def forward(
         self,
         x,
@@ -146,11 +162,10 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         self_attn_padding_mask: Optional[Tensor] = None,
         need_attn: bool = False,
         need_head_weights: bool = False,
+        **extras: Optional[Tensor],
     ):
-        """fairseq's layer interface; ``encoder_out`` may be a :class:`LayerInput`."""
-        extras: Dict[str, Tensor] = {}
-        if isinstance(encoder_out, LayerInput):
-            encoder_out, extras = encoder_out
+        """fairseq's layer interface, plus the per-call ``extras`` of the mechanisms
+        (:class:`LayerInput`), handed to :meth:`after_self_attention`."""
         x = self.self_attention_stage(
             x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
             self_attn_mask, self_attn_padding_mask,
@@ -256,7 +271,9 @@ class SlotTransformerEncoder(TransformerEncoderBase):
             # Table 3); dropped before any checkpoint is loaded, so none are expected
             self.embed_positions = None
         self.memories = nn.ModuleDict(ENCODER_MEMORY.build_all(cfg, num_layers=self.num_layers))
-        check_distinct_outputs(self.memories, cfg)
+        layer_inputs = ENCODER_LAYER_INPUTS.build_one(cfg, num_layers=self.num_layers)
+        self.layer_inputs = next(iter(layer_inputs.values()), None)
+        check_distinct_outputs(cfg, (ENCODER_MEMORY, self.memories), (ENCODER_LAYER_INPUTS, layer_inputs))
 
     def build_encoder_layer(self, cfg):
         layer = SlotTransformerEncoderLayer(cfg, next_layer_index(self), return_fc=self.return_fc)
@@ -287,6 +304,50 @@ class SlotTransformerEncoder(TransformerEncoderBase):
                 encoder_out["encoder_states"] = []
                 encoder_out["fc_results"] = []
         return encoder_out
+
+    def forward_scriptable(
+        self,
+        src_tokens,
+        src_lengths: Optional[Tensor] = None,
+        return_all_hiddens: bool = False,
+        token_embeddings: Optional[Tensor] = None,
+    ):
+        """fairseq's encoder, or with the layer-inputs slot filled (DLCL) the same steps with
+        each layer reading ``layer_inputs.combine`` of the outputs below it and the stack's
+        output the combination of all of them (then the final LayerNorm in pre-norm).
+
+        fairseq feeds each layer the previous layer's output inside this method, with no step
+        of its own to override, so its steps are written out again here; ``encoder_states``
+        are the layers' own outputs ``[y_0, ..., y_L]``, as fairseq's."""
+        if self.layer_inputs is None:
+            return super().forward_scriptable(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
+        encoder_padding_mask = src_tokens.eq(self.padding_idx)
+        has_pads = encoder_padding_mask.any()
+        x, encoder_embedding = self.forward_embedding(src_tokens, token_embeddings)
+        x = x * (1 - encoder_padding_mask.unsqueeze(-1).type_as(x) * has_pads.type_as(x))
+        x = x.transpose(0, 1)  # B x T x C -> T x B x C: y_0
+        states, fc_results = [x], []
+        history = [self.layer_inputs.store(0, x)]
+        for index, layer in enumerate(self.layers, start=1):
+            output = layer(self.layer_inputs.combine(history),
+                           encoder_padding_mask=encoder_padding_mask if has_pads else None)
+            x, fc_result = output if isinstance(output, tuple) else (output, None)
+            states.append(x)
+            fc_results.append(fc_result)
+            history.append(self.layer_inputs.store(index, x))
+        x = self.layer_inputs.combine(history)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        src_lengths = src_tokens.ne(self.padding_idx).sum(dim=1, dtype=torch.int32).reshape(-1, 1).contiguous()
+        return {
+            "encoder_out": [x],  # T x B x C
+            "encoder_padding_mask": [encoder_padding_mask],  # B x T
+            "encoder_embedding": [encoder_embedding],  # B x T x C
+            "encoder_states": states if return_all_hiddens else [],  # L+1 tensors T x B x C
+            "fc_results": fc_results if return_all_hiddens else [],
+            "src_tokens": [],
+            "src_lengths": [src_lengths],
+        }
 
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order):
         """fairseq's reordering, plus the memory slot's entries (batch dim is -2).

@@ -16,7 +16,7 @@ slot-wide ones are added here, so that ``fairseq-train --arch slot_transformer -
 lists every option of every slot.
 """
 import argparse
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 from fairseq.utils import safe_getattr
@@ -111,13 +111,18 @@ class Slot:
 
     def build(self, cfg, **context) -> Optional[nn.Module]:
         """The module of the one filler that claims this exclusive slot for ``cfg``, or None."""
+        return next(iter(self.build_one(cfg, **context).values()), None)
+
+    def build_one(self, cfg, **context) -> Dict[str, nn.Module]:
+        """:meth:`build` by filler name: ``{}`` or ``{name: module}``, for a caller that also
+        checks the module's outputs against another slot's (:func:`check_distinct_outputs`)."""
         claimed = self.build_all(cfg, **context)
         if len(claimed) > 1:
             raise UsageError(
                 f"the {self.name} slot{_where(context)} is claimed by several mechanisms "
                 f"({', '.join(self.given_by(name, cfg) for name in claimed)}): choose one"
             )
-        return next(iter(claimed.values()), None)
+        return claimed
 
 
 def _where(context) -> str:
@@ -130,22 +135,26 @@ ENCODER_SELF_ATTENTION = Slot("encoder self-attention", "--encoder-self-attentio
 DECODER_SELF_ATTENTION = Slot("decoder self-attention", "--decoder-self-attention")
 DECODER_CROSS_ATTENTION = Slot("decoder cross-attention", "--decoder-cross-attention")
 ENCODER_MEMORY = Slot("encoder memory")  # not exclusive: read with build_all, never build
+ENCODER_LAYER_INPUTS = Slot("encoder layer inputs")  # DLCL: what each encoder layer reads
 DECODER_OUTPUT = Slot("decoder output")
 SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
 
-def check_distinct_outputs(memories: Dict[str, nn.Module], cfg):
-    """Encoder memory modules declare the ``encoder_out`` entries they write
-    (``output_keys``); two mechanisms writing one entry cannot be combined."""
-    producers: Dict[str, str] = {}
-    for name, module in memories.items():
-        for key in module.output_keys:
-            if key in producers:
-                given = [ENCODER_MEMORY.given_by(producer, cfg) for producer in (producers[key], name)]
-                raise UsageError(
-                    f"the encoder output {key!r} is written by several mechanisms "
-                    f"({', '.join(given)}): choose one"
-                )
-            producers[key] = name
+def check_distinct_outputs(cfg, *fills: Tuple[Slot, Dict[str, nn.Module]]):
+    """The encoder's modules declare the ``encoder_out`` entries they write (``output_keys``):
+    the encoder memory modules, and a layer-inputs module that makes ``encoder_out`` itself
+    (DLCL). ``fills``: ``(slot, {filler name: module})`` of each slot; two mechanisms writing
+    one entry cannot be combined."""
+    producers: Dict[str, Tuple[Slot, str]] = {}
+    for slot, modules in fills:
+        for name, module in modules.items():
+            for key in module.output_keys:
+                if key in producers:
+                    given = [by.given_by(producer, cfg) for by, producer in (producers[key], (slot, name))]
+                    raise UsageError(
+                        f"the encoder output {key!r} is written by several mechanisms "
+                        f"({', '.join(given)}): choose one"
+                    )
+                producers[key] = (slot, name)
 
 
 _MODEL_HOOKS: List[Callable[[nn.Module, nn.Module], None]] = []
