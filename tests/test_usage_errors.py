@@ -3,6 +3,7 @@ with one line naming the option or file and what to do, or (a checkpoint restore
 options) a one-line warning. The catalogue is in docs/testing.md ("Bad-input catalogue")."""
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -45,10 +46,11 @@ def fake_corpus(folder):
 
 def test_demo_refuses_a_results_file_that_is_a_folder_before_any_training(tmp_path, no_work):
     """Found only after all training before issue 26."""
-    (tmp_path / "work" / "results.md").mkdir(parents=True)
-    with pytest.raises(UsageError, match=rf"^output file {tmp_path}/work/results\.md is a folder: move it away"):
-        demo.main(["--work-dir", str(tmp_path / "work"), "--corpus-dir", fake_corpus(tmp_path / "corpus")])
-    assert sorted(os.listdir(tmp_path / "work")) == ["results.md"]  # nothing written
+    results = tmp_path / "demo" / "results.md"
+    results.mkdir(parents=True)
+    with pytest.raises(UsageError, match=rf"^output file {re.escape(str(results))} is a folder: move it away"):
+        demo.main(["--work-dir", str(results.parent), "--corpus-dir", fake_corpus(tmp_path / "corpus")])
+    assert sorted(os.listdir(results.parent)) == ["results.md"]  # nothing written
 
 
 @pytest.mark.parametrize("work_dir, message", [
