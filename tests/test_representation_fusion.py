@@ -694,6 +694,57 @@ def test_hop_weight_analysis_reads_the_encoder_side_of_an_enc_sa_model(tmp_path)
     torch.testing.assert_close(weights.sum(1), torch.ones(HOPS, 4))
 
 
+def test_hop_weights_over_training_are_each_checkpoints_means_in_update_order(tmp_path, capsys):
+    """Several checkpoints: each one's mean weights (as the one-checkpoint analysis gives them),
+    ordered by the updates stored in the checkpoints, not by the order given."""
+    data_dir = write_data_bin(tmp_path / "bin")
+    checkpoints = {}
+    for seed, updates in ((1, 70), (2, 30)):
+        cfg, _, model = build_task_and_model(str(data_dir), seed=seed, extra_args=[
+            "--arch", "slot_transformer", *fusion("none", "sa")])
+        checkpoints[updates] = save_checkpoint(tmp_path / f"checkpoint_1_{updates}.pt", cfg, model, updates)
+    (tmp_path / "src.txt").write_text("w1 w2 w3\nw4 w5\n")
+    (tmp_path / "tgt.txt").write_text("w3 w2 w1\nw5 w4 w9\n")
+    text = ["--data-bin", str(data_dir), "--source", str(tmp_path / "src.txt"), "--target", str(tmp_path / "tgt.txt")]
+    single = {}
+    for updates, checkpoint in checkpoints.items():
+        mlrf_hop_weights.main([str(checkpoint), *text, "--plots", "0", "--output-prefix", str(tmp_path / f"one{updates}")])
+        single[updates] = json.loads((tmp_path / f"one{updates}.json").read_text())["mean_weights"]
+    assert single[30] != single[70]
+    capsys.readouterr()
+    prefix = tmp_path / "over" / "training"
+    mlrf_hop_weights.main([str(checkpoints[70]), str(checkpoints[30]), *text, "--output-prefix", str(prefix)])
+    result = json.loads(prefix.with_suffix(".json").read_text())
+    assert result["layers"] == ["l0", "l1", "l2"] and result["sentences"] == 2
+    assert [point["updates"] for point in result["checkpoints"]] == [30, 70]
+    for point in result["checkpoints"]:
+        torch.testing.assert_close(torch.tensor(point["mean_weights"]), torch.tensor(single[point["updates"]]))
+    rows = prefix.with_suffix(".csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * HOPS * (DECODER_LAYERS + 1)
+    assert prefix.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1] == "update 30: " + " ".join(
+        f"{w:.3f}" for w in torch.tensor(single[30]).mean(0).tolist())
+
+
+def test_hop_weights_over_training_refuses_checkpoints_of_different_models(tmp_path, capsys):
+    data_dir = write_data_bin(tmp_path / "bin")
+    paths = []
+    for layers in (2, 1):
+        cfg, _, model = build_task_and_model(str(data_dir), extra_args=[
+            "--arch", "slot_transformer", "--decoder-layers", str(layers), *fusion("none", "sa")])
+        paths.append(str(save_checkpoint(tmp_path / f"model{layers}.pt", cfg, model)))
+    (tmp_path / "src.txt").write_text("w1 w2\n")
+    (tmp_path / "tgt.txt").write_text("w2 w1\n")
+    with pytest.raises(SystemExit) as exit_info:
+        mlrf_hop_weights.main([*paths, "--data-bin", str(data_dir), "--source", str(tmp_path / "src.txt"),
+                               "--target", str(tmp_path / "tgt.txt"), "--output-prefix", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after fairseq's log lines
+    assert "model1.pt fuses layers l0 l1, the others l0 l1 l2: give checkpoints of one model" in error
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_hop_weight_analysis_needs_an_sa_fusion(tmp_path, capsys):
     data_dir, checkpoint = hop_weight_checkpoint(tmp_path, "fnn")
     with pytest.raises(SystemExit) as exit_info:

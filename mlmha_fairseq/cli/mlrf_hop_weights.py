@@ -14,6 +14,14 @@ or with text (tokenized, BPE-segmented unless --bpe-codes)::
 writes ``PREFIX.json`` (tokens, layers, weights hops x layers x positions per sentence, the
 mean over all positions), ``PREFIX.csv`` (one row per sentence, position, hop and layer) and
 ``PREFIX_line<k>.png`` for the first ``--plots`` sentences.
+
+Several checkpoints of one training run (e.g. every update checkpoint, kept with
+``--keep-interval-updates -1``) give the weights over training instead: ``PREFIX.json`` and
+``PREFIX.csv`` hold each checkpoint's update count and mean weights (hop x layer, over every
+position of the chosen sentences) and ``PREFIX.png`` draws them against the updates::
+
+    python -m mlmha_fairseq.cli.mlrf_hop_weights checkpoints/checkpoint_*_*.pt \
+        --data-bin data-bin --split valid --output-prefix fusion_over_training
 """
 from typing import List, Sequence, Tuple
 
@@ -27,8 +35,9 @@ from mlmha_fairseq.evaluation.hop_weights import (
     fusion_of,
     layer_labels,
     plot_hop_weights,
+    plot_hop_weights_over_training,
 )
-from mlmha_fairseq.evaluation.model_loading import apply_bpe, encode_lines, load_model
+from mlmha_fairseq.evaluation.model_loading import apply_bpe, encode_lines, load_model_and_state, trained_updates
 from mlmha_fairseq.evaluation.text_io import InputError, check_same_length, read_lines, write_csv, write_json
 from mlmha_fairseq.models.representation_fusion import DECODER
 
@@ -38,7 +47,9 @@ X_LABELS = ("input", "output")
 
 def build_parser():
     parser = cli_support.make_parser(__spec__.name, __doc__)
-    parser.add_argument("checkpoint", help="a fairseq checkpoint of an MLRF model with SA fusion")
+    parser.add_argument("checkpoints", nargs="+", metavar="checkpoint",
+                        help="a fairseq checkpoint of an MLRF model with SA fusion; several "
+                             "checkpoints of one run: the mean weights over training")
     parser.add_argument("--data-bin", help="data directory with the dictionaries (and --split) "
                                            "(default: the one stored in the checkpoint)")
     parser.add_argument("--split", help="read the sentence pairs from this binarized split "
@@ -107,14 +118,12 @@ def x_tokens(side: str, x_labels: str, source: List[str], target: List[str], eos
 def hop_weights(parser, args) -> None:
     if args.plots < 0:
         raise InputError(f"--plots {args.plots} must be >= 0")
-    model, task = load_model(args.checkpoint, args.data_bin)
-    fusion = fusion_of(model, args.side)
     if args.split and (args.source or args.target):
         raise InputError("give either --split or --source/--target, not both")
-    read_pairs = split_pairs if args.split else text_pairs
-    numbers, pairs = read_pairs(args, task, args.lines)
-    weights = forced_decoding_hop_weights(model, pairs, task.target_dictionary.eos(), args.side)
-    layers = layer_labels(fusion)
+    if len(args.checkpoints) > 1:
+        return hop_weights_over_training(args)
+    model, task, _state = load_model_and_state(args.checkpoints[0], args.data_bin)
+    numbers, pairs, weights, layers = analyse(args, model, task)
     sentences, rows = [], []
     for number, (source, target), sentence_weights in zip(numbers, pairs, weights):
         source_words = strings(task.source_dictionary, source)
@@ -126,7 +135,7 @@ def hop_weights(parser, args) -> None:
         rows.extend(csv_rows(number, tokens, layers, sentence_weights))
     mean = mean_weights(weights)
     write_json(args.output_prefix + ".json", {
-        "checkpoint": args.checkpoint, "side": args.side, "x_labels": args.x_labels,
+        "checkpoint": args.checkpoints[0], "side": args.side, "x_labels": args.x_labels,
         "layers": layers, "hops": int(mean.shape[0]), "mean_weights": mean.tolist(),
         "sentences": sentences,
     })
@@ -138,6 +147,45 @@ def hop_weights(parser, args) -> None:
           f"({' '.join(layers)}):")
     for hop, row in enumerate(mean, start=1):
         print(f"hop {hop}: " + " ".join(f"{w:.3f}" for w in row))
+
+
+def analyse(args, model, task):
+    """The chosen sentence numbers and pairs, their hop weights (n_hop x K x T each) and the
+    layer labels of ``args.side``."""
+    fusion = fusion_of(model, args.side)
+    read_pairs = split_pairs if args.split else text_pairs
+    numbers, pairs = read_pairs(args, task, args.lines)
+    weights = forced_decoding_hop_weights(model, pairs, task.target_dictionary.eos(), args.side)
+    return numbers, pairs, weights, layer_labels(fusion)
+
+
+def hop_weights_over_training(args) -> None:
+    """Each checkpoint's mean weights (hop x layer) on the same sentences, in update order."""
+    points, layers = [], None
+    for path in args.checkpoints:
+        model, task, state = load_model_and_state(path, args.data_bin)
+        numbers, _pairs, weights, checkpoint_layers = analyse(args, model, task)
+        if layers not in (None, checkpoint_layers):
+            raise InputError(f"{path} fuses layers {' '.join(checkpoint_layers)}, the others "
+                             f"{' '.join(layers)}: give checkpoints of one model")
+        layers = checkpoint_layers
+        points.append((trained_updates(state), path, mean_weights(weights)))
+    points.sort(key=lambda point: point[0])
+    means = np.stack([mean for _updates, _path, mean in points])  # checkpoints x n_hop x K
+    updates = [point[0] for point in points]
+    write_json(args.output_prefix + ".json", {
+        "side": args.side, "layers": layers, "hops": int(means.shape[1]), "sentences": len(numbers),
+        "checkpoints": [{"checkpoint": path, "updates": n, "mean_weights": mean.tolist()}
+                        for n, path, mean in points],
+    })
+    write_csv(args.output_prefix + ".csv", [
+        {"checkpoint": path, "updates": n, "hop": hop + 1, "layer": layer, "weight": float(mean[hop, index])}
+        for n, path, mean in points for hop in range(mean.shape[0]) for index, layer in enumerate(layers)])
+    plot_hop_weights_over_training(updates, means, layers, args.output_prefix + ".png")
+    print(f"{len(points)} checkpoints, {len(numbers)} sentences; mean weight over hops per layer "
+          f"({' '.join(layers)}):")
+    for n, _path, mean in points:
+        print(f"update {n}: " + " ".join(f"{w:.3f}" for w in mean.mean(axis=0)))
 
 
 def mean_weights(weights: Sequence[np.ndarray]) -> np.ndarray:

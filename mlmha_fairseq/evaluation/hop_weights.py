@@ -94,3 +94,21 @@ def plot_hop_weights(weights: np.ndarray, layers: Sequence[str], tokens: Sequenc
         axis.set_title(f"{title} hop {hop + 1}".strip(), fontsize="medium")
         figure.colorbar(image, ax=axis)
     save_figure(figure, path)
+
+
+def plot_hop_weights_over_training(updates: Sequence[int], mean_weights: np.ndarray,
+                                   layers: Sequence[str], path: str) -> None:
+    """The mean weight of each layer against the update of each checkpoint, one panel per
+    hop; ``mean_weights``: checkpoints x n_hop x K."""
+    plt = pyplot()
+    hops = mean_weights.shape[1]
+    figure, axes = plt.subplots(1, hops, figsize=(4.5 * hops + 1.5, 3.2), squeeze=False)
+    for hop, axis in enumerate(axes[0]):
+        for index, layer in enumerate(layers):
+            axis.plot(updates, mean_weights[:, hop, index], marker=".", label=layer)
+        axis.set_ylim(0.0, 1.0)
+        axis.set_xlabel("updates")
+        axis.set_ylabel("mean weight")
+        axis.set_title(f"hop {hop + 1}", fontsize="medium")
+    axes[0, -1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save_figure(figure, path)

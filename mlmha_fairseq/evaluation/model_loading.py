@@ -36,7 +36,21 @@ def checkpoint_errors(path: str):
 
 
 def load_model(checkpoint: str, data_bin: Optional[str] = None):
-    """The first model of ``checkpoint`` (eval mode, CPU) and its task.
+    """The first model of ``checkpoint`` (eval mode, CPU) and its task (see
+    :func:`load_model_and_state`)."""
+    model, task, _state = load_model_and_state(checkpoint, data_bin)
+    return model, task
+
+
+def trained_updates(state) -> int:
+    """The number of updates a checkpoint's model was trained for (0 for a model saved
+    without optimizer history)."""
+    return int((state.get("optimizer_history") or [{}])[-1].get("num_updates", 0))
+
+
+def load_model_and_state(checkpoint: str, data_bin: Optional[str] = None):
+    """The first model of ``checkpoint`` (eval mode, CPU), its task and the checkpoint's
+    state dict (for its training history).
 
     ``data_bin`` replaces the data directory stored in the checkpoint, so that the task can
     find its dictionaries. Uses ``fairseq.checkpoint_utils``, which this package makes safe
@@ -55,7 +69,7 @@ def load_model(checkpoint: str, data_bin: Optional[str] = None):
         check_stored_options(state)
         models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
             [checkpoint], arg_overrides=overrides, state=state)
-    return models[0].eval(), task
+    return models[0].eval(), task, state
 
 
 def apply_bpe(lines: Sequence[str], codes_path: Optional[str]) -> List[str]:

@@ -223,6 +223,7 @@ def usable_last_checkpoint(run: Run) -> int:
     from fairseq.checkpoint_utils import checkpoint_paths, load_checkpoint_to_cpu
 
     from mlmha_fairseq.compat import UnsafeCheckpointError
+    from mlmha_fairseq.evaluation.model_loading import trained_updates
 
     last = os.path.join(run.checkpoints, "checkpoint_last.pt")
     if not os.path.isfile(last):
@@ -242,7 +243,7 @@ def usable_last_checkpoint(run: Run) -> int:
         os.replace(last + ".tmp", last)
         logger.warning("  resuming from %s", newest[0])
         return int(re.search(UPDATE_CHECKPOINT, os.path.basename(newest[0])).group(1))
-    return int(state.get("optimizer_history", [{}])[-1].get("num_updates", 0))
+    return trained_updates(state)
 
 
 def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
@@ -404,7 +405,7 @@ class Grid:
             first_update = last_update(run.path("logs", "train.log"))
             verb = "resumes from its last checkpoint" if os.path.isfile(
                 os.path.join(run.checkpoints, "checkpoint_last.pt")) else "starts"
-            logger.info("run %d of %d, %s: %s (%d updates, %s)", number, len(self.runs), run.name, verb,
+            logger.info("run %d of %d, %s: %s (up to %d updates, %s)", number, len(self.runs), run.name, verb,
                         settings.max_update, run.directory)
             run_start = time.time()
             try:
