@@ -78,6 +78,12 @@ def _misaligned(raw, data_bin, refs):
     return [f'raw = "{raw}"', 'sources = ["fr"]', 'target = "en"'], f"{raw / 'train.fr'} 34: the files of a split"
 
 
+def _not_utf8(raw, data_bin, refs):
+    with open(raw / "test.en", "ab") as handle:
+        handle.write(b"caf\xe9\n")
+    return [f'raw = "{raw}"', 'sources = ["fr"]', 'target = "en"'], f"{raw / 'test.en'} is not UTF-8 text"
+
+
 def _references_of_another_length(raw, data_bin, refs):
     refs.write_text("only one line\n")
     return DATA_BIN_CORPUS(data_bin, refs), f"test_references {refs} has 1 lines, the test set of {data_bin} 16"
@@ -99,7 +105,7 @@ def DATA_BIN_CORPUS(data_bin, refs):
     return [f'data_bin = "{data_bin}"', 'sources = ["src"]', 'target = "tgt"', f'test_references = "{refs}"']
 
 
-@pytest.mark.parametrize("case", [_missing_split, _misaligned, _references_of_another_length,
+@pytest.mark.parametrize("case", [_missing_split, _misaligned, _not_utf8, _references_of_another_length,
                                   _dictionary_of_other_data, _data_bin_without_a_split],
                          ids=lambda case: case.__name__.strip("_"))
 def test_an_unusable_corpus_is_refused_in_one_line_before_anything_is_written(tmp_path, raw_text, data_bin,

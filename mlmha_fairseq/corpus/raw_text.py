@@ -19,7 +19,7 @@ from mlmha_fairseq.corpus import preprocess
 from mlmha_fairseq.corpus.builder import BPE_CODES, DATA_BIN, MANIFEST, TEXT_DIR
 from mlmha_fairseq.corpus.splits import SPLITS
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.evaluation.text_io import read_lines, write_text
+from mlmha_fairseq.evaluation.text_io import InputError, count_lines, read_lines, write_text
 from mlmha_fairseq.output_files import atomic_output
 
 logger = logging.getLogger(__name__)
@@ -33,28 +33,39 @@ def _fingerprint(path: str) -> str:
     return digest.hexdigest()
 
 
-def read_parallel_text(raw_dir: str, sources: Sequence[str], target: str) -> Dict[str, Dict[str, List[str]]]:
-    """``{split: {side: lines}}``; one line naming the file for a missing split or side, a
-    file that is not UTF-8, or files of one split whose line counts differ."""
+def check_parallel_text(raw_dir: str, sources: Sequence[str], target: str) -> Dict[str, int]:
+    """The number of lines of each split, the files read as streams; one line naming the file
+    for a missing split or side, a file that is not UTF-8, or files of one split whose line
+    counts differ."""
     if not os.path.isdir(raw_dir):
         raise UsageError(f"[corpus] raw {raw_dir} is not a folder")
-    text: Dict[str, Dict[str, List[str]]] = {}
+    sides = (*sources, target)
+    sizes = {}
     for split in SPLITS:
-        text[split] = {}
-        for side in (*sources, target):
+        counts = {}
+        for side in sides:
             path = os.path.join(raw_dir, f"{split}.{side}")
             if not os.path.isfile(path):
                 raise UsageError(f"[corpus] raw: {path} is missing (expected {split}.<side> for the sides "
-                                 f"{', '.join((*sources, target))} and the splits {', '.join(SPLITS)})")
-            text[split][side] = read_lines(path)
-        counts = {side: len(lines) for side, lines in text[split].items()}
-        first = (*sources, target)[0]
+                                 f"{', '.join(sides)} and the splits {', '.join(SPLITS)})")
+            try:
+                counts[side] = count_lines(path)
+            except InputError as error:  # not UTF-8, or empty: said as the config's corpus
+                raise UsageError(f"[corpus] raw: {error}") from None
         for side, count in counts.items():
-            if count != counts[first]:
+            if count != counts[sides[0]]:
                 raise UsageError(f"[corpus] raw: {os.path.join(raw_dir, f'{split}.{side}')} has {count} lines, "
-                                 f"{os.path.join(raw_dir, f'{split}.{first}')} {counts[first]}: the files of a "
-                                 "split must be aligned line by line")
-    return text
+                                 f"{os.path.join(raw_dir, f'{split}.{sides[0]}')} {counts[sides[0]]}: the files "
+                                 "of a split must be aligned line by line")
+        sizes[split] = counts[sides[0]]
+    return sizes
+
+
+def read_parallel_text(raw_dir: str, sources: Sequence[str], target: str) -> Dict[str, Dict[str, List[str]]]:
+    """``{split: {side: lines}}``, after :func:`check_parallel_text`."""
+    check_parallel_text(raw_dir, sources, target)
+    return {split: {side: read_lines(os.path.join(raw_dir, f"{split}.{side}")) for side in (*sources, target)}
+            for split in SPLITS}
 
 
 def build_raw_text_corpus(raw_dir: str, sources: Sequence[str], target: str, out_dir: str, bpe_merges: int,

@@ -19,17 +19,38 @@ def read_lines(path: str) -> List[str]:
 
     Raises :class:`InputError` if the file does not exist, is not UTF-8 or has no lines.
     """
+    lines: List[str] = []
+    _each_line(path, lambda line: lines.append(line.rstrip("\n")))
+    return lines
+
+
+def count_lines(path: str) -> int:
+    """The number of lines of a UTF-8 text file, read as a stream (a corpus is checked
+    without being held in memory); the errors of :func:`read_lines`."""
+    count = 0
+
+    def one(_line):
+        nonlocal count
+        count += 1
+
+    _each_line(path, one)
+    return count
+
+
+def _each_line(path: str, visit) -> None:
     if not os.path.isfile(path):
         raise InputError(f"file not found: {path}")
+    seen = False
     try:
         with open(path, encoding="utf-8") as handle:
-            lines = [line.rstrip("\n") for line in handle]
+            for line in handle:
+                visit(line)
+                seen = True
     except UnicodeDecodeError as error:
         raise InputError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); "
                          "convert it, e.g. with iconv -t UTF-8") from error
-    if not lines:
+    if not seen:
         raise InputError(f"file is empty: {path}")
-    return lines
 
 
 def check_same_length(named_sequences: Sequence[Tuple[str, Sequence]]) -> int:

@@ -124,7 +124,7 @@ def check_data_bin(data_bin: str, sources: Sequence[str], target: str, reference
 
 def check_corpus(corpus: Dict) -> None:
     """Refuse a raw-text or data-bin corpus that cannot be used, before anything is written."""
-    from mlmha_fairseq.corpus.raw_text import read_parallel_text
+    from mlmha_fairseq.corpus.raw_text import check_parallel_text
 
     target = corpus.get("target", "en")
     if "data_bin" in corpus:
@@ -135,7 +135,7 @@ def check_corpus(corpus: Dict) -> None:
     elif "raw" in corpus:
         if not corpus.get("sources"):
             raise UsageError("[corpus] raw needs sources = [the source language(s)] and target")
-        read_parallel_text(corpus["raw"], corpus["sources"], target)
+        check_parallel_text(corpus["raw"], corpus["sources"], target)
 
 
 def prepare_corpus(corpus: Dict, work_dir: str) -> Corpus:
