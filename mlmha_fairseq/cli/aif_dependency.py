@@ -7,20 +7,9 @@ Examples (the thesis' setting: 1,000 random En-Vi test sentences, MS-l + AIF mod
         --sample 1000 --output-prefix results/aif_dependency
     python -m mlmha_fairseq.cli.aif_dependency ms3_aif.pt --input sentence.bpe.en --per-token
 """
-import math
-
-from tqdm import tqdm
-
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.aif_dependency import aif_dependency, plot_aif_dependency
-from mlmha_fairseq.evaluation.model_loading import (
-    DEFAULT_BATCH_SIZE,
-    batches,
-    left_pad_source,
-    load_model,
-    read_sentences,
-    source_tokens,
-)
+from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE, checkpoint_batches, read_sentences
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
 DEFAULT_SEED = 1
@@ -56,11 +45,7 @@ def aif_dependency_cli(parser, args) -> None:
     names = cli_support.system_names(parser, args.checkpoints, args.names)
     lines = read_sentences(args)
     rows, results, models = [], {}, {}
-    for name, checkpoint in zip(names, args.checkpoints):
-        model, task = load_model(checkpoint, args.data_bin)
-        tokens = source_tokens(args, task, lines)
-        progress = tqdm(batches(tokens, task.source_dictionary, args.batch_size, left_pad_source(task)),
-                        total=math.ceil(len(tokens) / args.batch_size), desc=name)
+    for name, model, task, _tokens, progress in checkpoint_batches(names, args, lines):
         accumulator = aif_dependency(model, progress, task.target_dictionary,
                                      args.max_len_a, args.max_len_b)
         models[name] = accumulator

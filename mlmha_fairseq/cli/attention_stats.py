@@ -5,20 +5,9 @@ Example (1,500 random newstest2014 sentences, as the documents)::
     python -m mlmha_fairseq.cli.attention_stats base.pt m00.pt --names Transformer M-00 \
         --data-bin data-bin/wmt14_en_de --input test.bpe.en --sample 1500
 """
-import math
-
-from tqdm import tqdm
-
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.attention_statistics import encoder_attention_statistics
-from mlmha_fairseq.evaluation.model_loading import (
-    DEFAULT_BATCH_SIZE,
-    batches,
-    left_pad_source,
-    load_model,
-    read_sentences,
-    source_tokens,
-)
+from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE, checkpoint_batches, read_sentences
 from mlmha_fairseq.evaluation.plotting import plot_attention_heatmaps, plot_attention_layers
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
@@ -45,12 +34,8 @@ def attention_stats(parser, args) -> None:
     names = cli_support.system_names(parser, args.checkpoints, args.names)
     lines = read_sentences(args)
     rows, models, layer_means = [], [], {}
-    for name, checkpoint in zip(names, args.checkpoints):
-        model, task = load_model(checkpoint, args.data_bin)
+    for name, model, task, tokens, progress in checkpoint_batches(names, args, lines):
         dictionary = task.source_dictionary
-        tokens = source_tokens(args, task, lines)
-        progress = tqdm(batches(tokens, dictionary, args.batch_size, left_pad_source(task)),
-                        total=math.ceil(len(tokens) / args.batch_size), desc=name)
         stats = encoder_attention_statistics(model, progress, dictionary.pad(), dictionary.eos(),
                                              args.full_row, args.exclude_eos)
         rows.extend(dict(row, model=name) for row in stats.rows())

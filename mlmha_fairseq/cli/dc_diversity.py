@@ -6,20 +6,9 @@ Examples (the kernel-size sweep of §9.9-9.10 on newstest2014)::
         --data-bin data-bin/wmt14_en_de --split test --output-prefix results/dc_diversity
     python -m mlmha_fairseq.cli.dc_diversity f2.pt --input newstest2014.bpe.en --sample 1000
 """
-import math
-
-from tqdm import tqdm
-
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.fi_diversity import HEAD_REDUCTIONS, MAX, fi_diversity, plot_fi_diversity
-from mlmha_fairseq.evaluation.model_loading import (
-    DEFAULT_BATCH_SIZE,
-    batches,
-    left_pad_source,
-    load_model,
-    read_sentences,
-    source_tokens,
-)
+from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE, checkpoint_batches, read_sentences
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
 DEFAULT_SEED = 1
@@ -44,13 +33,8 @@ def dc_diversity(parser, args) -> None:
     names = cli_support.system_names(parser, args.checkpoints, args.names)
     lines = read_sentences(args)
     rows, results, models = [], {}, {}
-    for name, checkpoint in zip(names, args.checkpoints):
-        model, task = load_model(checkpoint, args.data_bin)
-        tokens = source_tokens(args, task, lines)
-        dictionary = task.source_dictionary
-        progress = tqdm(batches(tokens, dictionary, args.batch_size, left_pad_source(task)),
-                        total=math.ceil(len(tokens) / args.batch_size), desc=name)
-        accumulator = fi_diversity(model, progress, dictionary.pad(), args.head_reduction)
+    for name, model, task, tokens, progress in checkpoint_batches(names, args, lines):
+        accumulator = fi_diversity(model, progress, task.source_dictionary.pad(), args.head_reduction)
         models[name] = accumulator
         rows.extend(dict(model=name, **row) for row in accumulator.table())
         results[name] = {"layers": accumulator.table(), "E_d": accumulator.mean_divergence(),

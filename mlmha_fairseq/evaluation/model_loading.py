@@ -1,10 +1,11 @@
 """Loading a fairseq checkpoint and turning source sentences into encoder batches
 (shared by the attention statistics and the probing features)."""
 import contextlib
+import math
 import os
 import pickle
 import random
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -134,3 +135,29 @@ def read_sentences(args):
     lines = read_lines(args.input)
     lines = [lines[i] for i in sample_indices(len(lines), args.sample, args.seed)]
     return apply_bpe(lines, args.bpe_codes)
+
+
+class CheckpointBatches(NamedTuple):
+    """One checkpoint of an analysis over several: its name, model, task, the chosen
+    sentences' token tensors and their batches (a progress bar over ``(src_tokens,
+    src_lengths)``, in the task's padding)."""
+
+    name: str
+    model: Any
+    task: Any
+    tokens: List[torch.Tensor]
+    batches: Iterable[Tuple[torch.Tensor, torch.Tensor]]
+
+
+def checkpoint_batches(names: Sequence[str], args, lines: Optional[List[str]]) -> Iterator[CheckpointBatches]:
+    """The loop of the analyses that compare checkpoints on the same sentences: each of
+    ``args.checkpoints`` loaded (with ``args.data_bin``), one at a time, and its batches of
+    ``lines`` (:func:`read_sentences`) or of ``args.split`` (``args.batch_size`` sentences each)."""
+    from tqdm import tqdm
+
+    for name, checkpoint in zip(names, args.checkpoints):
+        model, task = load_model(checkpoint, args.data_bin)
+        tokens = source_tokens(args, task, lines)
+        progress = tqdm(batches(tokens, task.source_dictionary, args.batch_size, left_pad_source(task)),
+                        total=math.ceil(len(tokens) / args.batch_size), desc=name)
+        yield CheckpointBatches(name, model, task, tokens, progress)
