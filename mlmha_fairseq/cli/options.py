@@ -19,6 +19,7 @@ from fairseq.models.transformer import TransformerModel
 import mlmha_fairseq  # noqa: F401 (registers the models)
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.models.hydra_configs import option_actions, package_presets
 from mlmha_fairseq.models.options import option_of
 from mlmha_fairseq.models.slots import SELECTABLE_SLOTS
 
@@ -26,14 +27,7 @@ DEFAULT_ARCH = "slot_transformer"
 
 
 def package_archs() -> List[str]:
-    return sorted(arch for arch, model in ARCH_MODEL_REGISTRY.items()
-                  if model.__module__.startswith("mlmha_fairseq."))
-
-
-def _actions(add_args) -> List[argparse.Action]:
-    parser = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    add_args(parser)
-    return [action for action in parser._actions if action.option_strings]
+    return sorted(package_presets())
 
 
 def _mechanism(dest: str, model_name: str) -> str:
@@ -52,11 +46,11 @@ def list_options(arch: str) -> List[Dict[str, object]]:
         raise UsageError(f"--arch {arch}: not an architecture of this package; choose one of "
                          f"{', '.join(package_archs())}")
     model = ARCH_MODEL_REGISTRY[arch]
-    fairseq_dests = {action.dest for action in _actions(TransformerModel.add_args)}
+    fairseq_dests = {action.dest for action in option_actions(TransformerModel.add_args)}
     args = argparse.Namespace()
     ARCH_CONFIG_REGISTRY[arch](args)
     rows = []
-    for action in _actions(model.add_args):
+    for action in option_actions(model.add_args):
         if action.dest in fairseq_dests or action.help == argparse.SUPPRESS:
             continue
         default = getattr(args, action.dest, None)

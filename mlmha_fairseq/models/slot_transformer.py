@@ -30,6 +30,7 @@ import logging
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from fairseq.distributed import fsdp_wrap
@@ -50,6 +51,7 @@ from fairseq.utils import safe_getattr
 
 from ..errors import UsageError
 
+from .hydra_configs import namespace_of
 from .options import MECHANISMS, check_options, register_architecture
 from .slots import (
     DECODER_CROSS_ATTENTION,
@@ -546,7 +548,11 @@ class SlotTransformerModel(TransformerModel):
         """Every slot model is built here: options completed, encoder and decoder built
         (:meth:`build_encoder_and_decoder`), then what spans both (slots.register_model_hook)
         tied for the encoder whose tables the decoder shares (:meth:`decoder_partner`).
-        No mechanism option may be set while its mechanism is off (:mod:`.options`)."""
+        No mechanism option may be set while its mechanism is off (:mod:`.options`).
+        ``args``: fairseq-train's Namespace, or a hydra ``DictConfig`` (fairseq-hydra-train, a
+        checkpoint it wrote), turned into that Namespace (:func:`.hydra_configs.namespace_of`)."""
+        if OmegaConf.is_config(args):
+            args = namespace_of(cls, args)
         cls.complete_options(args)
         check_options(args)
         model = cls.build_encoder_and_decoder(args, task)
