@@ -5,12 +5,16 @@ is line ``i`` of every file, so every filter and every batch works on whole tupl
 sources can never desynchronise. A source is either text (a fairseq indexed dataset of
 token ids, binarized by ``fairseq-preprocess`` with the joint dictionary) or precomputed
 image features (:class:`ImageFeatureDataset`: a float array ``[N, positions, channels]``).
+
+Input lines of ``fairseq-interactive`` and of the hub interface travel as one token row per
+line (:class:`PackedSources`, :class:`PackedLinesDataset`), since fairseq-interactive hands
+only ``src_tokens`` and ``src_lengths`` of a batch on to the task's ``inference_step``.
 """
-from typing import List, Sequence
+from typing import List, Sequence, Union
 
 import numpy as np
 import torch
-from fairseq.data import FairseqDataset, data_utils
+from fairseq.data import BaseWrapperDataset, FairseqDataset, data_utils
 
 from mlmha_fairseq.errors import UsageError
 
@@ -247,3 +251,77 @@ def deranged(dataset, seed: int) -> DerangedDataset:
     """``dataset`` with its items permuted by a fixed-seed derangement."""
     return DerangedDataset(dataset, derangement(len(dataset), seed))
 
+
+
+class PackedSources:
+    """One input line's sources as one token row, and back.
+
+    The row holds the primary source first, so that what fairseq-interactive prints as the
+    line's source (``S-``) and the positions ``--replace-unk`` reads are the primary
+    source's, then the other sources in source order. A text source is its tokens, ending in
+    EOS; an image source is one token, ``len(dictionary) + row`` of its features file, which
+    no word has (the dictionary prints it as ``<unk>``) and which cannot be mistaken for the
+    padding or EOS of the row.
+    """
+
+    def __init__(self, kinds: Sequence[str], primary_index: int, dictionary):
+        self.kinds = list(kinds)
+        self.order = [primary_index] + [k for k in range(len(kinds)) if k != primary_index]
+        self.dictionary = dictionary
+
+    def pack(self, sources: Sequence[Union[torch.Tensor, int]]) -> torch.Tensor:
+        """``sources`` in source order: token tensors (ending in EOS) and image rows."""
+        parts = [torch.tensor([len(self.dictionary) + sources[k]]) if self.kinds[k] == IMAGE
+                 else sources[k] for k in self.order]
+        return torch.cat(parts).long()
+
+    def unpack(self, row: torch.Tensor) -> List[Union[torch.Tensor, int]]:
+        """The sources of ``row`` (unpadded) in source order; a :class:`UsageError` for a row
+        that :meth:`pack` did not make, e.g. a whole line binarized as one sentence."""
+        sources, start = [None] * len(self.kinds), 0
+        for k in self.order:
+            if self.kinds[k] == IMAGE:
+                if start >= len(row) or row[start] < len(self.dictionary):
+                    break
+                sources[k], start = int(row[start]) - len(self.dictionary), start + 1
+                continue
+            ends = (row[start:] == self.dictionary.eos()).nonzero()
+            if not len(ends):
+                break
+            end = start + int(ends[0]) + 1
+            sources[k], start = row[start:end], end
+        if start != len(row) or any(source is None for source in sources):
+            raise UsageError("a multi-source input is not one of the task's packed input lines: "
+                             "encode each line with MultiSourceTranslationTask.encode_input_line (the "
+                             "hub interface of MultiSourceTransformerModel.from_pretrained does)")
+        return sources
+
+
+class PackedLinesDataset(BaseWrapperDataset):
+    """Input lines for inference: ``tuples`` (a :class:`MultiSourceLanguagePairDataset`
+    without target, which sizes, filters and orders them) whose batches carry the packed
+    rows (:class:`PackedSources`) as ``src_tokens``/``src_lengths``, the only part of a batch
+    that fairseq-interactive passes on to the task."""
+
+    def __init__(self, tuples: MultiSourceLanguagePairDataset, rows: Sequence[torch.Tensor]):
+        super().__init__(tuples)
+        self.rows = list(rows)
+
+    def __getitem__(self, index):
+        return {"id": index, "row": self.rows[index]}
+
+    def collater(self, samples):
+        if not samples:
+            return {}
+        rows = [sample["row"] for sample in samples]
+        dictionary = self.dataset.dictionary
+        return {
+            "id": torch.tensor([sample["id"] for sample in samples], dtype=torch.long),
+            "nsentences": len(samples),
+            "ntokens": sum(row.numel() for row in rows),
+            "net_input": {
+                "src_tokens": data_utils.collate_tokens(rows, dictionary.pad(), dictionary.eos(),
+                                                        left_pad=self.dataset.left_pad_source),
+                "src_lengths": torch.tensor([row.numel() for row in rows], dtype=torch.long),
+            },
+        }

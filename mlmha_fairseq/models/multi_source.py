@@ -33,11 +33,19 @@ Encoder output: the primary source's fairseq entries (so fairseq's generator, al
 :meth:`MultiSourceEncoder.reorder_encoder_out` reorders along the batch (fairseq's own method would drop them).
 
 Presets: ``multimodal_transformer_multi30k`` and ``multi_source_transformer_europarl``.
+
+In Python, :meth:`MultiSourceTransformerModel.from_pretrained` returns fairseq's hub
+interface reading the task's input lines (sources tab-separated, :class:`MultiSourceHubInterface`)::
+
+    model = MultiSourceTransformerModel.from_pretrained("checkpoints", "checkpoint_best.pt",
+                                                        "data-bin")
+    model.translate("w1 w2 w3\tW1 W2 W3", beam=5)
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
+from fairseq import hub_utils
 from fairseq.models import FairseqEncoder, register_model
 from fairseq.models.transformer import TransformerConfig
 from torch import Tensor, nn
@@ -260,11 +268,32 @@ class MultiSourceDecoder(SlotTransformerDecoder):
         )
 
 
+class MultiSourceHubInterface(hub_utils.GeneratorHubInterface):
+    """fairseq's hub interface whose sentences are the multi-source task's input lines: the
+    sources in ``--source-langs`` order separated by tabs, each tokenized and BPE-encoded as
+    fairseq's interface does a sentence (``MultiSourceTranslationTask.encode_input_line``;
+    an image source's field is a row of ``inference_image_features``, an argument of
+    :meth:`MultiSourceTransformerModel.from_pretrained`)."""
+
+    def encode(self, sentence: str) -> torch.LongTensor:
+        return self.task.encode_input_line(sentence, lambda text: self.apply_bpe(self.tokenize(text)))
+
+
 @register_model("multi_source_transformer")
 class MultiSourceTransformerModel(SlotTransformerModel):
     """Multi-source Transformer (Libovický et al., WMT 2018); see the module docstring."""
 
     is_multi_source = True  # checked by the multi_source_translation task
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".",
+                        **kwargs):
+        """fairseq's ``from_pretrained`` (``kwargs`` override the checkpoint's options, e.g.
+        ``inference_image_features="test.img.npy"``), with the hub interface of the
+        task's input lines (:class:`MultiSourceHubInterface`)."""
+        loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
+                                           archive_map=cls.hub_models(), **kwargs)
+        return MultiSourceHubInterface(loaded["args"], loaded["task"], loaded["models"])
 
     @classmethod
     def add_args(cls, parser):

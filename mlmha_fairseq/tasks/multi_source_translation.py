@@ -22,17 +22,33 @@ Example (the order of ``--source-langs`` is the serial order of Fig. 1a)::
         --source-langs es,fr,de,en --target-lang cs --primary-source en \
         --path checkpoint_best.pt --beam 10 --gnmt-lenpen 1.0 \
         [--adversarial-source en --adversarial-seed 1]
+
+Translating input lines (``fairseq-interactive``, or in Python the hub interface of
+``MultiSourceTransformerModel.from_pretrained``): one line per tuple, its sources in
+``--source-langs`` order separated by tabs; a text source's field is its sentence (tokenized
+and BPE-encoded by ``--tokenizer``/``--bpe`` as fairseq does a sentence), an image source's
+field a row number (from 0) of that source's ``--inference-image-features`` file. A line with
+another number of fields, or a row the file does not have, ends with one line naming the
+expected sources (:meth:`MultiSourceTranslationTask.encode_input_line`)::
+
+    paste test.es test.fr test.de test.en | fairseq-interactive data-bin --user-dir mlmha_fairseq \
+        --task multi_source_translation --source-langs es,fr,de,en --target-lang cs \
+        --primary-source en --path checkpoint_best.pt --beam 10 --gnmt-lenpen 1.0
+    paste test.en <(seq 0 999) | fairseq-interactive data-bin --user-dir mlmha_fairseq \
+        --task multi_source_translation --source-langs en,img --image-sources img \
+        --target-lang de --inference-image-features test.img.npy --path checkpoint_best.pt
 """
 import filecmp
 import glob
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 from fairseq import utils
-from fairseq.data import Dictionary, data_utils, indexed_dataset
+from fairseq.data import Dictionary, ListDataset, data_utils, indexed_dataset
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
@@ -44,6 +60,8 @@ from mlmha_fairseq.data.multi_source_dataset import (
     DataError,
     ImageFeatureDataset,
     MultiSourceLanguagePairDataset,
+    PackedLinesDataset,
+    PackedSources,
     deranged,
 )
 from mlmha_fairseq.errors import UsageError
@@ -56,6 +74,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_POSITIONS = 1024  # fairseq's translation task default
 DEFAULT_ADVERSARIAL_SEED = 1
+# Characters of an input line quoted in an error about it.
+EXCERPT_CHARS = 60
+CONSTRAINTS_REFUSED = ("--constraints: the multi_source_translation task decodes without target "
+                       "constraints (fairseq-interactive would read them from the tab-separated "
+                       "fields of an input line, which here are the sources)")
 
 
 def _names(value: Optional[str]) -> List[str]:
@@ -104,6 +127,13 @@ class MultiSourceTranslationConfig(GNMTLengthPenaltyConfig):
     adversarial_seed: int = field(
         default=DEFAULT_ADVERSARIAL_SEED, metadata={"help": "seed of the derangement"}
     )
+    inference_image_features: Optional[str] = field(
+        default=None,
+        metadata={"help": "fairseq-interactive and the hub interface: comma-separated .npy files "
+                          "[images, positions, channels], one per image source in --source-langs "
+                          "order; an input line's field for an image source is a row (from 0) of "
+                          "its file"},
+    )
     dataset_impl: Optional[ChoiceEnum(indexed_dataset.get_available_dataset_impl())] = II(
         "dataset.dataset_impl"
     )
@@ -115,6 +145,11 @@ class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
 
     Attributes read by the model (``multi_source_transformer``): ``source_names``,
     ``source_kinds`` (``"text"``/``"image"``), ``primary_index`` and ``image_channels``.
+
+    Input lines (fairseq-interactive, the hub interface): :meth:`encode_input_line` makes one
+    token row of a line's sources (:class:`PackedSources`), which is all that
+    fairseq-interactive hands from a batch to :meth:`inference_step`; that method unpacks
+    the rows into the sources the model reads.
     """
 
     cfg: MultiSourceTranslationConfig
@@ -125,6 +160,8 @@ class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
         self.dictionary = dictionary
         self.source_names, self.source_kinds, self.primary_index = _layout(cfg)
         self.image_channels = image_channels
+        self.packing = PackedSources(self.source_kinds, self.primary_index, dictionary)
+        self._inference_features = None  # {source index: ImageFeatureDataset}, read at first use
 
     @classmethod
     def setup_task(cls, cfg: MultiSourceTranslationConfig, **kwargs):
@@ -132,7 +169,9 @@ class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
         data = _data_dir(cfg)
         dictionary = _joint_dictionary(data, [n for n, k in zip(names, kinds) if k == TEXT],
                                        cfg.target_lang)
-        channels = {name: _image_channels(data, name) for name, kind in zip(names, kinds) if kind == IMAGE}
+        inference = _inference_feature_paths(cfg, kinds)
+        channels = {name: _image_channels(data, name, inference.get(k))
+                    for k, (name, kind) in enumerate(zip(names, kinds)) if kind == IMAGE}
         logger.info("sources %s -> %s, joint dictionary: %d types", ",".join(names),
                     cfg.target_lang, len(dictionary))
         return cls(cfg, dictionary, channels)
@@ -154,6 +193,112 @@ class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
             raise UsageError("--task multi_source_translation needs a multi-source model "
                              "(--arch multi_source_transformer or one of its presets)")
         return model
+
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, **kwargs):
+        """The generator of fairseq (or of ``--gnmt-lenpen``); ``--constraints`` is refused
+        here, before fairseq-interactive splits an input line at its tabs to find them."""
+        if getattr(args, "constraints", None):
+            raise UsageError(CONSTRAINTS_REFUSED)
+        return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
+                                       extra_gen_cls_kwargs=extra_gen_cls_kwargs, **kwargs)
+
+    def encode_input_line(self, line: str, encode_fn: Optional[Callable[[str], str]] = None) -> torch.Tensor:
+        """One input line as one token row (:class:`PackedSources`): the sources in
+        ``--source-langs`` order, separated by tabs; a text source's field is passed through
+        ``encode_fn`` (fairseq-interactive's ``--tokenizer`` and ``--bpe``) and binarized with
+        the joint dictionary, an image source's field is a row (from 0) of its
+        ``--inference-image-features`` file."""
+        fields = line.split("\t")
+        if len(fields) != len(self.source_names):
+            raise UsageError(f"the input line {_excerpt(line)} has {len(fields)} tab-separated field(s); "
+                             f"--source-langs {self.cfg.source_langs} needs one per source: "
+                             f"{'<TAB>'.join(self.source_names)}")
+        sources = []
+        for k, (name, kind, text) in enumerate(zip(self.source_names, self.source_kinds, fields)):
+            if kind == IMAGE:
+                row = int(text) if text.strip().isdigit() else -1
+                self._check_image_row(k, row, f"{text!r} in the input line {_excerpt(line)}")
+                sources.append(row)
+                continue
+            tokens = self.dictionary.encode_line(encode_fn(text) if encode_fn else text,
+                                                 add_if_not_exist=False).long()
+            if (tokens[:-1] == self.dictionary.eos()).any():
+                raise UsageError(f"source {name} of the input line {_excerpt(line)} holds the "
+                                 f"end-of-sentence symbol {self.dictionary.eos_word}")
+            sources.append(tokens)
+        return self.packing.pack(sources)
+
+    def get_interactive_tokens_and_lengths(self, lines, encode_fn):
+        """fairseq-interactive's input lines, each one token row (:meth:`encode_input_line`)."""
+        tokens = [self.encode_input_line(line, encode_fn) for line in lines]
+        return tokens, [row.numel() for row in tokens]
+
+    def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
+        """Input lines ``src_tokens`` (rows of :meth:`encode_input_line`, whose lengths the
+        rows themselves give), sized and filtered by their sources, batched as packed rows
+        (:class:`PackedLinesDataset`)."""
+        if constraints is not None:
+            raise UsageError(CONSTRAINTS_REFUSED)
+        return PackedLinesDataset(self._line_tuples(src_tokens), src_tokens)
+
+    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
+        """fairseq's inference step; a batch of packed input lines (from
+        :meth:`build_dataset_for_inference`) is first unpacked into the sources the model
+        reads, collated as a test set's batch, so that a line decodes as it would there."""
+        net_input = sample["net_input"]
+        if "multi_source_inputs" not in net_input:
+            tokens, lengths = net_input["src_tokens"], net_input["src_lengths"]
+            rows = [row[-length:] if self.cfg.left_pad_source else row[:length]
+                    for row, length in zip(tokens.cpu(), lengths.tolist())]
+            tuples = self._line_tuples(rows)
+            batch = tuples.collater([tuples[i] for i in range(len(tuples))])
+            sample = dict(sample, net_input=utils.apply_to_sample(lambda t: t.to(tokens.device),
+                                                                  batch["net_input"]))
+        return super().inference_step(generator, models, sample, prefix_tokens=prefix_tokens,
+                                      constraints=constraints)
+
+    def _line_tuples(self, rows) -> MultiSourceLanguagePairDataset:
+        """The sources of packed input lines, each image row replaced by its features."""
+        lines = [self.packing.unpack(row) for row in rows]
+        sources = []
+        for k, kind in enumerate(self.source_kinds):
+            items = [line[k] for line in lines]
+            if kind == IMAGE:
+                for row in items:
+                    self._check_image_row(k, row, f"row {row}")
+                items = [self._inference_image_features()[k][row] for row in items]
+            sources.append(ListDataset(items, np.array([len(item) for item in items], dtype=np.int64)))
+        return MultiSourceLanguagePairDataset(
+            sources, self.source_kinds, None, self.dictionary, self.primary_index,
+            left_pad_source=self.cfg.left_pad_source, left_pad_target=self.cfg.left_pad_target,
+            shuffle=False,
+        )
+
+    def _check_image_row(self, k: int, row: int, what: str) -> None:
+        features = self._inference_image_features()[k]
+        if not 0 <= row < len(features):
+            raise UsageError(f"image source {self.source_names[k]}: {what} is not a row of "
+                             f"{features.path} (0 to {len(features) - 1})")
+
+    def _inference_image_features(self) -> Dict[int, ImageFeatureDataset]:
+        """``--inference-image-features`` by source index, read when an input line first
+        needs it (training never does)."""
+        if self._inference_features is None:
+            paths = _inference_feature_paths(self.cfg, self.source_kinds)
+            if not paths:
+                images = [n for n, kind in zip(self.source_names, self.source_kinds) if kind == IMAGE]
+                raise UsageError(f"the image source(s) {','.join(images)} of input lines need "
+                                 "--inference-image-features FILE.npy (one per image source), "
+                                 "whose rows the lines name")
+            self._inference_features = {}
+            for k, path in paths.items():
+                features = ImageFeatureDataset(path)
+                name = self.source_names[k]
+                if features.channels != self.image_channels[name]:
+                    raise DataError(f"{path} has {features.channels} channels per position, the "
+                                    f"model's image source {name} reads {self.image_channels[name]}")
+                self._inference_features[k] = features
+        return self._inference_features
 
     def load_dataset(self, split, epoch=1, combine=False, **kwargs):
         """Load ``split`` as one N-way dataset; every file is checked first."""
@@ -255,11 +400,26 @@ def _joint_dictionary(data: str, text_sources: List[str], target_lang: str) -> D
     return target
 
 
-def _image_channels(data: str, name: str) -> int:
-    """Channels of image source ``name``, from any ``{split}.{name}.npy`` (all must agree)."""
+def _inference_feature_paths(cfg, kinds: List[str]) -> Dict[int, str]:
+    """``--inference-image-features`` by source index (empty when not given)."""
+    paths = _names(cfg.inference_image_features)
+    images = [k for k, kind in enumerate(kinds) if kind == IMAGE]
+    if paths and len(paths) != len(images):
+        raise UsageError(f"--inference-image-features names {len(paths)} file(s) for the "
+                         f"{len(images)} image source(s) of --image-sources {cfg.image_sources}: "
+                         "give one .npy per image source, in --source-langs order")
+    return dict(zip(images, paths))
+
+
+def _image_channels(data: str, name: str, inference_path: Optional[str] = None) -> int:
+    """Channels of image source ``name``, from any ``{split}.{name}.npy`` and its
+    ``--inference-image-features`` file (all must agree; a model may be used for input lines
+    with only the latter at hand)."""
     paths = sorted(glob.glob(os.path.join(data, f"*.{name}{NPY_SUFFIX}")))
+    paths += [inference_path] if inference_path else []
     if not paths:
-        raise DataError(f"image source {name}: no {os.path.join(data, '{split}.' + name + NPY_SUFFIX)} file")
+        raise DataError(f"image source {name}: no {os.path.join(data, '{split}.' + name + NPY_SUFFIX)} "
+                        "file, nor --inference-image-features")
     channels = {path: ImageFeatureDataset(path, check_values=False).channels for path in paths}
     if len(set(channels.values())) > 1:
         raise DataError(f"image source {name}: files with different channels {channels}")
@@ -292,6 +452,10 @@ def _check_same_target(prefix: str, target, other_prefix: str, other) -> None:
     raise DataError(f"{_bin_path(other_prefix)} differs from {_bin_path(prefix)} at line {line + 1}: "
                     "every pair of the split must be binarized with the same target file, line "
                     "for line")
+
+
+def _excerpt(line: str) -> str:
+    return repr(line if len(line) <= EXCERPT_CHARS else line[:EXCERPT_CHARS - 3] + "...")
 
 
 def _bin_path(prefix: str) -> str:
