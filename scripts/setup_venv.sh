@@ -8,6 +8,8 @@
 #   fairseq  fairseq-fixed (fairseq's main branch, importable on Python 3.11), installed with
 #            --no-deps: its metadata requires torchaudio, which would replace torch.
 #   this package, editable, so `--user-dir mlmha_fairseq` and `import mlmha_fairseq` work anywhere.
+#   COMET    with WITH_COMET=1: requirements-comet.txt, installed with --no-deps: unbabel-comet
+#            declares numpy<2 and protobuf<5, which would replace requirements.txt's.
 set -euo pipefail
 
 VENV=${1:-.venv}
@@ -60,6 +62,11 @@ if "$PY" -c "import fairseq" >/dev/null 2>&1; then
 else
     log "building $FAIRSEQ_SPEC (compiles C++ extensions, about two minutes)"
     pip_install --no-deps --no-build-isolation "$FAIRSEQ_SPEC"
+fi
+
+if [ "${WITH_COMET:-0}" = 1 ]; then
+    log "installing requirements-comet.txt (unbabel-comet, --no-deps)"
+    pip_install --no-deps -r requirements-comet.txt
 fi
 
 log "installing mlmha_fairseq (editable)"

@@ -68,6 +68,14 @@ def add_text_options(parser: argparse.ArgumentParser) -> None:
                        help="Moses-detokenize hypotheses (and T- references) for language LANG")
 
 
+def add_comet_model(parser: argparse.ArgumentParser, needs: str) -> None:
+    """``--comet-model DIR``: COMET from a local model folder (``needs``: what else it reads)."""
+    parser.add_argument("--comet-model", metavar="DIR",
+                        help="also score with COMET from this local model folder (hparams.yaml and "
+                             f"checkpoints/model.ckpt, e.g. a snapshot of Unbabel/wmt22-comet-da){needs}; "
+                             "nothing is downloaded. Without it COMET reads n/a")
+
+
 def protocol_from_args(args: argparse.Namespace) -> Protocol:
     return resolve_protocol(args.protocol, metric=args.metric, tokenize=args.tokenize,
                             lowercase=True if args.lowercase else None, hyp_field=args.hyp_field)

@@ -14,7 +14,8 @@ Steps, each printed with the command it runs:
 
 ``--seeds N`` trains every system with N seeds from ``--seed`` on (optimizer replicates) and reports them as
 MultEval does (Clark et al. 2011): mean ± sd over seeds, s_sel, approximate randomization over
-the replicates, sacreBLEU's paired bootstrap per seed, chrF and METEOR; each table also as
+the replicates, sacreBLEU's paired bootstrap per seed, chrF and METEOR, and the metrics 2026 papers
+report: chrF++, TER and, with ``--comet-model DIR``, COMET (of the French source); each table also as
 ``results-<stage>.{md,tex,json,png}``. The runs are those of ``mlmha_fairseq.cli.experiment``
 (one folder per system and seed under ``runs/``): rerunning skips finished runs and resumes
 stopped ones from their last checkpoint.
@@ -41,6 +42,7 @@ from mlmha_fairseq.experiments.grid import (
 from mlmha_fairseq.experiments.systems import DEMO_SYSTEMS as SYSTEMS
 from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES as STRATEGIES
 from mlmha_fairseq.experiments.systems import System, multi_source_system
+from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
 from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 from mlmha_fairseq.evaluation.scoring import corpus_score, resolve_protocol
 from mlmha_fairseq.evaluation.text_io import read_lines, write_json, write_text
@@ -107,6 +109,7 @@ def parse_args(argv=None):
     parser.add_argument("--seeds", type=cli_support.positive_int, default=1,
                         help="train every system with this many seeds (optimizer replicates), "
                              "--seed, --seed+1, ...; the tables report mean ± sd over them (default: %(default)s)")
+    cli_support.add_comet_model(parser, f" with the {SOURCE} test source")
     args = parser.parse_args(argv)
     args.multi_source_langs = args.multi_source_langs.split(",")
     if SOURCE not in args.multi_source_langs:
@@ -174,7 +177,8 @@ class Stage:
             sys.exit(f"{self.name}: the baseline {systems[0].name} did not finish; see the logs above")
         logger.info("%s: statistics against %s", self.name, systems[0].name)
         columns = {f"BLEU, {source} deranged": values for source, values in adversarial.items()}
-        report = build_report(finished, [self.references], ReplicateOptions(), extra=columns)
+        report = build_report(finished, [self.references], ReplicateOptions(), extra=columns,
+                              comet=load_comet(self.args.comet_model), sources=self.sources)
         table = write_report(report, results_prefix(self.args.work_dir, self.name), self.settings.budget, self.name)
         first = {name: runs[min(runs)] for name, runs in finished}
         examples = "\n\n".join(
@@ -271,6 +275,8 @@ def main(argv=None):
         settings["max_update"] = args.max_update
     tables = planned_tables(args)
     check_paths(args, tables)
+    if args.comet_model:  # the folder, before hours of training; the model is loaded for the tables
+        checkpoint_path(args.comet_model)
     start = time.time()
 
     stages, reports = [], []

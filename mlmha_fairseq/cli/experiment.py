@@ -1,7 +1,8 @@
 """Experiment runner: a grid of systems x training seeds from a TOML file, each run trained
 with ``fairseq-train``, decoded with ``fairseq-generate``, detokenized and scored, then one
 MultEval-style table (mean ± sd over seeds, s_sel, approximate randomization over the
-replicates, sacreBLEU's paired bootstrap per seed) as Markdown, LaTeX, JSON and PNG.
+replicates, sacreBLEU's paired bootstrap per seed; chrF, METEOR, chrF++, TER, and COMET with
+``--comet-model DIR``) as Markdown, LaTeX, JSON and PNG.
 
 Resumable: a run whose scores are written is skipped; a run that was stopped resumes from
 its ``checkpoint_last.pt`` (fairseq-train's own restore); a run that fails is reported and the
@@ -52,6 +53,7 @@ given its own through ``CUDA_VISIBLE_DEVICES``), with the same results as one at
     sources = ["de"]
     target = "en"
     test_references = "raw/test.en"  # raw (untokenized) references: what the score compares with
+    test_sources = "raw/test.de"  # raw test sources, read by COMET (--comet-model) only
     postprocess = "subword_nmt"  # fairseq-generate --remove-bpe; or "sentencepiece", "none"
     detokenize = true  # Moses-detokenize hypotheses (false: they already are plain text)
 
@@ -91,6 +93,8 @@ def parse_args(argv=None):
     parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials (default: %(default)s)")
     parser.add_argument("--bootstrap-samples", type=int, default=1000,
                         help="bootstrap resamples for s_sel and the paired bootstrap (default: %(default)s)")
+    cli_support.add_comet_model(parser, " with the raw test sentences of the first source language (a data_bin "
+                                        "corpus: [corpus] test_sources)")
     return parser.parse_args(argv)
 
 

@@ -6,7 +6,9 @@ Per system, every metric's mean and standard deviation over the replicates (trai
 and its per-seed values; s_sel, the spread that the choice of test set causes: the standard
 deviation of the score over bootstrap resamples of the test set, averaged over the
 replicates; and a p-value against the baseline from approximate randomization over the
-replicates. Alongside, sacreBLEU's paired bootstrap for each seed.
+replicates. Alongside, sacreBLEU's paired bootstrap for each seed. Beside MultEval's BLEU, chrF
+and METEOR, the metrics 2026 papers report: sacreBLEU's chrF++ and TER (lower is better), and
+COMET when a model is given (:mod:`~mlmha_fairseq.evaluation.comet`).
 
 What comes from sacreBLEU: the scores and their signatures, the bootstrap resampler behind
 s_sel, the paired bootstrap and the approximate randomization. What is written here, since
@@ -21,6 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from mlmha_fairseq.evaluation.comet import NOT_GIVEN as COMET_NOT_GIVEN
+from mlmha_fairseq.evaluation.comet import Comet
 from mlmha_fairseq.evaluation.meteor import UNAVAILABLE, WordNet, corpus_meteor, load_wordnet
 from mlmha_fairseq.evaluation.scoring import Protocol, build_metric, corpus_score, resolve_protocol
 from mlmha_fairseq.evaluation.significance import (
@@ -29,7 +33,8 @@ from mlmha_fairseq.evaluation.significance import (
 )
 from mlmha_fairseq.evaluation.text_io import write_text
 
-METRICS = ("BLEU", "chrF", "METEOR")
+METRICS = ("BLEU", "chrF", "METEOR", "chrF++", "TER", "COMET")
+SACREBLEU_PROTOCOLS = {"BLEU": "sacrebleu", "chrF": "chrf", "chrF++": "chrf++", "TER": "ter"}
 
 
 def mean_sd(values: Sequence[float]) -> Tuple[float, Optional[float]]:
@@ -93,7 +98,7 @@ class SystemRow:
 
     name: str
     seeds: List[int]
-    scores: Dict[str, List[Optional[float]]]  # metric -> per seed (METEOR None when unavailable)
+    scores: Dict[str, List[Optional[float]]]  # metric -> per seed (METEOR, COMET None when unavailable)
     s_sel: float
     ar_p_value: Optional[float] = None  # BLEU, against the baseline over the shared seeds
     ar_seeds: List[int] = field(default_factory=list)
@@ -115,6 +120,7 @@ class ReplicateReport:
     meteor_note: str
     settings: Dict
     extra_columns: List[str] = field(default_factory=list)  # titles of the extra columns, in order
+    comet_note: str = COMET_NOT_GIVEN
 
     def as_dict(self) -> Dict:
         rows = []
@@ -125,17 +131,22 @@ class ReplicateReport:
             record["mark"] = significance_mark(row.ar_p_value) if row.ar_p_value is not None else ""
             rows.append(record)
         return {"baseline": self.baseline, "systems": rows, "signatures": self.signatures,
-                "meteor": self.meteor_note, "settings": self.settings}
+                "meteor": self.meteor_note, "comet": self.comet_note, "settings": self.settings}
 
 
 def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references: Sequence[Sequence[str]],
                  options: Optional[ReplicateOptions] = None, wordnet: Optional[WordNet] = None,
-                 extra: Optional[Dict[str, Dict[str, Dict[int, float]]]] = None) -> ReplicateReport:
+                 extra: Optional[Dict[str, Dict[str, Dict[int, float]]]] = None,
+                 comet: Optional[Comet] = None, sources: Optional[Sequence[str]] = None) -> ReplicateReport:
     """Scores, s_sel and tests of ``systems`` = [(name, {seed: hypotheses})], the first the
-    baseline. ``extra`` = {column: {system: {seed: value}}} is carried into the tables."""
+    baseline. ``extra`` = {column: {system: {seed: value}}} is carried into the tables.
+    ``comet``: a COMET model, which reads ``sources`` and the first reference stream."""
     options = options or ReplicateOptions()
     wordnet = wordnet or load_wordnet()
-    bleu, chrf = resolve_protocol("sacrebleu"), resolve_protocol("chrf")
+    if comet is not None and sources is None:
+        raise ValueError("COMET needs the source sentences")
+    protocols = {metric: resolve_protocol(name) for metric, name in SACREBLEU_PROTOCOLS.items()}
+    bleu = protocols["BLEU"]
     signatures = {}
     rows = []
     baseline_name, baseline_runs = systems[0]
@@ -144,11 +155,12 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
         scores = {metric: [] for metric in METRICS}
         deviations = []
         for seed in seeds:
-            for metric, protocol in (("BLEU", bleu), ("chrF", chrf)):
+            for metric, protocol in protocols.items():
                 result = corpus_score(runs[seed], references, protocol)
                 signatures[metric] = result.signature
                 scores[metric].append(result.score)
             scores["METEOR"].append(corpus_meteor(runs[seed], references, wordnet))
+            scores["COMET"].append(None if comet is None else comet.score(sources, runs[seed], references[0]).score)
             deviations.append(bootstrap_sd(runs[seed], references, bleu, options.bootstrap_samples, options.seed))
         row = SystemRow(name, seeds, scores, s_sel(deviations))
         row.extra = {title: [values[name][seed] for seed in seeds]
@@ -166,7 +178,10 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
         rows.append(row)
     meteor_note = ("nltk meteor_score (exact, stem, WordNet 3.0 synonyms; no paraphrases), mean sentence score x 100"
                    if wordnet.reader is not None else f"{UNAVAILABLE}: {wordnet.reason}")
-    return ReplicateReport(baseline_name, rows, signatures, meteor_note, asdict(options), list(extra or {}))
+    comet_note = (COMET_NOT_GIVEN if comet is None
+                  else f"unbabel-comet, model {comet.directory}, system score (mean segment score) x 100")
+    return ReplicateReport(baseline_name, rows, signatures, meteor_note, asdict(options), list(extra or {}),
+                           comet_note)
 
 
 def _number(value: Optional[float], digits: int = 2) -> str:
@@ -190,14 +205,14 @@ def _cells(report: ReplicateReport, row: SystemRow, plus_minus: str, extra_title
     p_ar = "" if is_baseline or row.ar_p_value is None else f"{row.ar_p_value:.3f}"
     p_bs = "" if is_baseline else ", ".join(f"{row.bootstrap_p_values[s]:.3f}" for s in row.ar_seeds)
     cells = [row.name, bleu + mark, delta, f"{row.s_sel:.2f}", p_ar, p_bs,
-             _mean_sd_text(row.scores["chrF"], plus_minus), _mean_sd_text(row.scores["METEOR"], plus_minus),
+             *(_mean_sd_text(row.scores[metric], plus_minus) for metric in METRICS if metric != "BLEU"),
              ", ".join(f"{score:.2f}" for score in row.scores["BLEU"]), ", ".join(str(s) for s in row.seeds)]
     cells += [_mean_sd_text(row.extra[title], plus_minus) if title in row.extra else missing for title in extra_titles]
     return cells
 
 
 HEADERS = ["system", "BLEU", "Δ", "s_sel", "p (AR)", "p (paired bootstrap, per seed)", "chrF", "METEOR",
-           "BLEU per seed", "seeds"]
+           "chrF++", "TER", "COMET", "BLEU per seed", "seeds"]
 
 
 def _footnote(report: ReplicateReport, budget: str) -> str:
@@ -209,7 +224,8 @@ def _footnote(report: ReplicateReport, budget: str) -> str:
             f"({report.settings['ar_trials']} trials, MultEval, Clark et al. 2011), † p<0.05, ‡ p<0.01; "
             f"p (paired bootstrap): sacreBLEU's, per seed in the order of 'seeds'. "
             f"BLEU {report.signatures.get('BLEU', '')}; chrF {report.signatures.get('chrF', '')}; "
-            f"METEOR: {report.meteor_note}.")
+            f"METEOR: {report.meteor_note}; chrF++ {report.signatures.get('chrF++', '')}; "
+            f"TER (lower is better) {report.signatures.get('TER', '')}; COMET: {report.comet_note}.")
 
 
 def markdown_table(report: ReplicateReport, budget: str) -> str:

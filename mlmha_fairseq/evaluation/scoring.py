@@ -15,6 +15,10 @@ thesis, Cui et al. 2019 and Libovický et al. 2018):
   MMA IWSLT14 and Multi30k). Like the perl script, which reads bytes and lowercases with
   perl's ``lc``, only A-Z are lowercased: "Über" and "über" differ.
 - ``chrf``: sacreBLEU's chrF2 on detokenized text.
+- ``chrf++``: sacreBLEU's chrF++ (chrF2 with word unigrams and bigrams, ``CHRF(word_order=2)``)
+  on detokenized text; none of the documents reports it, 2026 papers do.
+- ``ter``: sacreBLEU's TER (tercom tokenization, case-insensitive as sacreBLEU's default) on
+  detokenized text; lower is better. None of the documents reports it either.
 
 Each protocol says which fairseq-generate line it reads: ``D`` (detokenized) or ``H``
 (tokenized, after ``--remove-bpe``).
@@ -23,12 +27,12 @@ import string
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence
 
-from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics import BLEU, CHRF, TER
 
 from mlmha_fairseq.evaluation.generate_output import read_generate_output, remove_bpe
 from mlmha_fairseq.evaluation.text_io import InputError, check_same_length, read_lines
 
-METRICS = ("bleu", "chrf")
+METRICS = ("bleu", "chrf", "chrf++", "ter")
 HYP_FIELDS = ("D", "H")
 INPUT_FORMATS = ("plain", "generate")
 # multi-bleu.perl -lc lowercases with perl's lc on undecoded bytes: A-Z only.
@@ -68,6 +72,11 @@ PROTOCOLS = {
                  "MMA IWSLT14", ascii_lowercase=True),
         Protocol("chrf", "chrf", "none", False, "none", "D",
                  "sacreBLEU chrF2 on detokenized text"),
+        Protocol("chrf++", "chrf++", "none", False, "none", "D",
+                 "sacreBLEU chrF++ (CHRF(word_order=2)) on detokenized text"),
+        # sacreBLEU's TER is case-insensitive unless asked otherwise; the protocol keeps that default
+        Protocol("ter", "ter", "none", True, "none", "D",
+                 "sacreBLEU TER (tercom tokenization, case-insensitive) on detokenized text; lower is better"),
     )
 }
 DEFAULT_PROTOCOL = "sacrebleu"
@@ -93,8 +102,10 @@ class AsciiLowercaseBLEU(BLEU):
 
 def build_metric(protocol: Protocol):
     """The sacreBLEU metric object implementing ``protocol``."""
-    if protocol.metric == "chrf":
-        return CHRF(lowercase=protocol.lowercase)
+    if protocol.metric in ("chrf", "chrf++"):
+        return CHRF(word_order=2 if protocol.metric == "chrf++" else 0, lowercase=protocol.lowercase)
+    if protocol.metric == "ter":
+        return TER(case_sensitive=not protocol.lowercase)
     # force=True: tokenized protocols score already tokenized text on purpose.
     bleu = AsciiLowercaseBLEU if protocol.lowercase and protocol.ascii_lowercase else BLEU
     return bleu(lowercase=protocol.lowercase, tokenize=protocol.tokenize,

@@ -12,6 +12,9 @@ Methods (as the papers test significance):
   ``bootstrap-hypothesis-difference-significance.pl``, full test-set size resamples).
 - ``sacrebleu-ar``: sacreBLEU's paired approximate randomization (MultEval's test).
 
+The thesis and sacreBLEU methods test the protocol's metric (BLEU, chrF, chrF++ or TER, for
+which lower is better); compare-mt's method tests BLEU only.
+
 Marks: ``‡`` for p < 0.01 and ``†`` for p < 0.05 (the MLMHA paper and thesis; MMA prints
 ``††`` for p < 0.01).
 """
@@ -109,7 +112,8 @@ def thesis_bootstrap(baseline: Sequence[str], system: Sequence[str],
                      seed: int = DEFAULT_SEED) -> Tuple[PairedResult, BootstrapSamples]:
     """The thesis' paired bootstrap: ``n_samples`` test sets of ``sample_size`` pairs drawn
     with replacement; the better system (on the full test set) wins a resample when its
-    score is strictly higher; p = 1 - wins / n_samples.
+    score is strictly higher; p = 1 - wins / n_samples. For TER, where lower is better, this
+    counts the same resamples: those in which the two systems keep their full-test-set order.
 
     Ties count as losses for both systems (compare-mt's counting quirk, which also counts
     wins as ties, is not copied), so identical systems get p = 1.
@@ -159,6 +163,7 @@ def sacrebleu_paired(baseline: Sequence[str], systems: Sequence[Tuple[str, Seque
                      seed: int = DEFAULT_SEED) -> List[PairedResult]:
     """sacreBLEU's paired bootstrap (``bs``) or approximate randomization (``ar``) test.
 
+    Both tests compare absolute differences, so they hold for TER (lower is better) as they are.
     sacreBLEU counts resampled statistics strictly greater than the observed difference,
     so a system identical to the baseline gets p = 1/(n+1), i.e. "significant"; identical
     hypotheses are reported with p = 1 instead.

@@ -77,6 +77,7 @@ CORPUS_SCHEMA = {
     "raw": (_text, "a folder of raw parallel text: {train,valid,test}.<language>"),
     "data_bin": (_text, "a fairseq-preprocess output folder"),
     "test_references": (_text, "a file of raw test references (with data_bin)"),
+    "test_sources": (_text, "a file of the raw test sources, for COMET (with data_bin)"),
     "postprocess": (lambda v: v in POSTPROCESS, f"one of {sorted(POSTPROCESS)}"),
     "detokenize": (lambda v: isinstance(v, bool), "true or false (Moses-detokenize hypotheses)"),
     "sources": (_texts, "a list of language codes"),

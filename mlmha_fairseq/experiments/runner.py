@@ -1,18 +1,21 @@
 """The experiment runner: a grid of systems x training seeds from a TOML file (:mod:`.config`)
 on a corpus (:mod:`.corpora`), its runs (:mod:`.grid`), then one MultEval-style table (mean ±
 sd over seeds, s_sel, approximate randomization over the replicates, sacreBLEU's paired
-bootstrap per seed) as Markdown, LaTeX, JSON and PNG. ``python -m mlmha_fairseq.cli.experiment``
-is its command line."""
+bootstrap per seed; chrF, METEOR, chrF++, TER, and COMET with ``--comet-model``) as Markdown,
+LaTeX, JSON and PNG. ``python -m mlmha_fairseq.cli.experiment`` is its command line."""
+import json
 import logging
 import os
 import sys
 import time
 from typing import Dict, List
 
+from mlmha_fairseq.corpus.builder import MANIFEST, TEXT_DIR
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.evaluation.text_io import read_lines
+from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
+from mlmha_fairseq.evaluation.text_io import check_same_length, read_lines
 from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
-from mlmha_fairseq.experiments.corpora import check_corpus, prepare_corpus
+from mlmha_fairseq.experiments.corpora import Corpus, check_corpus, prepare_corpus
 from mlmha_fairseq.experiments import slurm
 from mlmha_fairseq.experiments.curves import write_curve_report
 from mlmha_fairseq.experiments.grid import Grid, minutes, report_failures
@@ -42,6 +45,29 @@ def slot_env(slot: int, threads: int, gpus: List[str]) -> Dict[str, str]:
     return env
 
 
+def check_comet(comet_model: str, corpus: Dict) -> None:
+    """Before anything runs: ``--comet-model`` is a COMET model folder, and a data-bin corpus
+    gives the raw test sources COMET reads, one per reference."""
+    checkpoint_path(comet_model)
+    if "data_bin" in corpus:
+        if "test_sources" not in corpus:
+            raise UsageError("--comet-model with a [corpus] data_bin needs test_sources = the raw test sentences "
+                             "of the (first) source language")
+        check_same_length([(corpus["test_sources"], read_lines(corpus["test_sources"])),
+                           (corpus["test_references"], read_lines(corpus["test_references"]))])
+
+
+def comet_sources(corpus_config: Dict, corpus: Corpus) -> List[str]:
+    """The raw test sentences COMET reads: ``[corpus] test_sources`` if given (a data-bin needs
+    it), else those of the first source language in the folder this package built."""
+    if "test_sources" in corpus_config:
+        return read_lines(corpus_config["test_sources"])
+    folder = os.path.dirname(corpus.data_bin)
+    with open(os.path.join(folder, MANIFEST), encoding="utf-8") as handle:
+        source = json.load(handle)["sources"][0]
+    return read_lines(os.path.join(folder, TEXT_DIR, f"test.raw.{source}"))
+
+
 def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 
@@ -68,8 +94,9 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     systems = grid.hypotheses()
     tabled = bool(systems) and systems[0][0] == experiment.baseline
     if tabled:
-        report = build_report(systems, [references],
-                              ReplicateOptions(args.bootstrap_samples, args.ar_trials))
+        comet = load_comet(args.comet_model)
+        report = build_report(systems, [references], ReplicateOptions(args.bootstrap_samples, args.ar_trials),
+                              comet=comet, sources=comet_sources(experiment.corpus, corpus) if comet else None)
         table = write_report(report, os.path.join(work_dir, "results"), settings.budget,
                              os.path.basename(args.config))
         print("\n" + table)
@@ -102,6 +129,8 @@ def run(args) -> int:
         work_dir = args.work_dir or experiment.work_dir
         check_output_folder(work_dir, "work directory")
         check_corpus(experiment.corpus)
+        if args.comet_model:
+            check_comet(args.comet_model, experiment.corpus)
         if args.report_only:  # reads finished runs only (their files are written atomically)
             return run_grid(args, experiment, work_dir)
         with exclusive_folder(work_dir, "work directory"):
