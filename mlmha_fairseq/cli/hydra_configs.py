@@ -15,10 +15,10 @@ import os
 import textwrap
 from typing import Dict
 
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from omegaconf import OmegaConf
 
 import mlmha_fairseq  # noqa: F401 (registers the models)
-from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.models.hydra_configs import NAME, model_config, package_presets, preset_config
 
