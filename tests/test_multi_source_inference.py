@@ -1,9 +1,15 @@
-"""Multi-source models on input lines (``fairseq-interactive`` and the hub interface of
-``MultiSourceTransformerModel.from_pretrained``): a line of tab-separated sources, or of text
-and a row of image features, decodes as fairseq-generate decodes that tuple of the test set;
-a bad line ends with one line naming the expected sources."""
+"""Decoding multi-source models outside fairseq-generate: on input lines (``fairseq-interactive``
+and the hub interface of ``MultiSourceTransformerModel.from_pretrained``), a line of
+tab-separated sources, or of text and a row of image features, decodes as fairseq-generate
+decodes that tuple of the test set, and a bad line ends with one line naming the expected
+sources; in validation (``--eval-bleu``), the BLEU that selects checkpoints is sacreBLEU's on
+fairseq-generate's hypotheses of the validation set."""
+import json
+import re
+
 import numpy as np
 import pytest
+import sacrebleu
 import torch
 from fairseq import hub_utils
 
@@ -165,3 +171,22 @@ def test_packed_row_holds_the_primary_source_first_and_unpacks_to_every_source()
     for bad in (torch.tensor([5, 6, eos]), torch.tensor([7, eos, 5, eos]), torch.cat([row, row[:2]])):
         with pytest.raises(UsageError, match="not one of the task's packed input lines"):
             packing.unpack(bad)
+
+
+def test_validation_bleu_selects_the_checkpoint_with_the_bleu_of_its_hypotheses(n_way_bin, tmp_path):
+    """fairseq-train --eval-bleu logs, after every epoch, the BLEU of the model's hypotheses
+    of the validation set, and --best-checkpoint-metric bleu keeps the best: each equals
+    sacreBLEU computed here on fairseq-generate's hypotheses of checkpoint_last.pt and
+    checkpoint_best.pt against the validation text. A learning rate at which the last BLEU
+    is not the best, so that a checkpoint chosen by the loss would fail."""
+    bleu_args = ["--eval-bleu", "--eval-bleu-args", json.dumps(DECODING), "--best-checkpoint-metric", "bleu",
+                 "--maximize-best-checkpoint-metric", "--batch-size-valid", "1", "--required-batch-size-multiple", "1"]
+    result = run_fairseq("train", *train_args(n_way_bin, tmp_path, "multi_source_transformer", *TEXT_SOURCES,
+                                              *bleu_args, "--lr", "0.005", max_update=100))
+    logged = [float(value) for value in re.findall(r"valid on 'valid' subset \|.* \| bleu ([\d.]+) \|",
+                                                   result.stdout + result.stderr)]
+    assert len(logged) > 1 and max(logged) > logged[-1] > 0
+    references = (n_way_bin.parent / "text" / "valid.tgt").read_text().splitlines()
+    for checkpoint, expected in (("checkpoint_last.pt", logged[-1]), ("checkpoint_best.pt", max(logged))):
+        hypotheses = generated(n_way_bin, tmp_path / checkpoint, *TEXT_SOURCES, "--gen-subset", "valid")
+        assert round(sacrebleu.corpus_bleu(hypotheses, [references]).score, 2) == expected, checkpoint

@@ -23,6 +23,13 @@ Example (the order of ``--source-langs`` is the serial order of Fig. 1a)::
         --path checkpoint_best.pt --beam 10 --gnmt-lenpen 1.0 \
         [--adversarial-source en --adversarial-seed 1]
 
+Checkpoint selection by validation BLEU takes fairseq's translation-task options (the same
+names, defaults and computation, inherited from fairseq's ``TranslationTask``)::
+
+    fairseq-train data-bin ... --eval-bleu --eval-bleu-args '{"beam": 10}' \
+        --eval-bleu-detok moses --eval-bleu-remove-bpe \
+        --best-checkpoint-metric bleu --maximize-best-checkpoint-metric
+
 Translating input lines (``fairseq-interactive``, or in Python the hub interface of
 ``MultiSourceTransformerModel.from_pretrained``): one line per tuple, its sources in
 ``--source-langs`` order separated by tabs; a text source's field is its sentence (tokenized
@@ -38,6 +45,7 @@ expected sources (:meth:`MultiSourceTranslationTask.encode_input_line`)::
         --task multi_source_translation --source-langs en,img --image-sources img \
         --target-lang de --inference-image-features test.img.npy --path checkpoint_best.pt
 """
+import dataclasses
 import filecmp
 import glob
 import logging
@@ -50,7 +58,8 @@ import torch
 from fairseq import utils
 from fairseq.data import Dictionary, ListDataset, data_utils, indexed_dataset
 from fairseq.dataclass import ChoiceEnum
-from fairseq.tasks import FairseqTask, register_task
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
 from mlmha_fairseq.data.multi_source_dataset import (
@@ -83,6 +92,16 @@ CONSTRAINTS_REFUSED = ("--constraints: the multi_source_translation task decodes
 
 def _names(value: Optional[str]) -> List[str]:
     return [name.strip() for name in (value or "").split(",") if name.strip()]
+
+
+_TRANSLATION_OPTIONS = {option.name: option for option in dataclasses.fields(TranslationConfig)}
+
+
+def _translation_option(name: str):
+    """fairseq's translation-task option ``name`` (default, help): validation BLEU is asked
+    for here with the options of fairseq's translation task, which computes it."""
+    option = _TRANSLATION_OPTIONS[name]
+    return field(default=option.default, metadata=option.metadata)
 
 
 @dataclass
@@ -137,14 +156,25 @@ class MultiSourceTranslationConfig(GNMTLengthPenaltyConfig):
     dataset_impl: Optional[ChoiceEnum(indexed_dataset.get_available_dataset_impl())] = II(
         "dataset.dataset_impl"
     )
+    eval_bleu: bool = _translation_option("eval_bleu")
+    eval_bleu_args: Optional[str] = _translation_option("eval_bleu_args")
+    eval_bleu_detok: str = _translation_option("eval_bleu_detok")
+    eval_bleu_detok_args: Optional[str] = _translation_option("eval_bleu_detok_args")
+    eval_tokenized_bleu: bool = _translation_option("eval_tokenized_bleu")
+    eval_bleu_remove_bpe: Optional[str] = _translation_option("eval_bleu_remove_bpe")
+    eval_bleu_print_samples: bool = _translation_option("eval_bleu_print_samples")
 
 
 @register_task("multi_source_translation", dataclass=MultiSourceTranslationConfig)
-class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
+class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, TranslationTask):
     """Translation from n aligned sources; see the module docstring.
 
     Attributes read by the model (``multi_source_transformer``): ``source_names``,
     ``source_kinds`` (``"text"``/``"image"``), ``primary_index`` and ``image_channels``.
+
+    fairseq's ``TranslationTask`` is the base for its validation BLEU (``--eval-bleu``:
+    ``build_model``, ``valid_step``, ``reduce_metrics``), on the batches of this task; data,
+    dictionaries and inference are this task's own.
 
     Input lines (fairseq-interactive, the hub interface): :meth:`encode_input_line` makes one
     token row of a line's sources (:class:`PackedSources`), which is all that
@@ -156,7 +186,7 @@ class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, FairseqTask):
 
     def __init__(self, cfg: MultiSourceTranslationConfig, dictionary: Dictionary,
                  image_channels: Dict[str, int]):
-        super().__init__(cfg)
+        super().__init__(cfg, dictionary, dictionary)
         self.dictionary = dictionary
         self.source_names, self.source_kinds, self.primary_index = _layout(cfg)
         self.image_channels = image_channels
