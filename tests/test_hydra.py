@@ -215,6 +215,7 @@ def n_way_text_bin(tmp_path_factory):
     return root / "bin"
 
 
+@pytest.mark.cli  # on a binarized corpus, like the fixtures conftest.py marks
 def test_hydra_round_trip_multi_source(n_way_text_bin, tmp_path):
     task = ["--task", "multi_source_translation", "--source-langs", "s1,s2", "--target-lang", "tgt"]
     checkpoint = hydra_train("multi_source_translation", n_way_text_bin, tmp_path / "ckpt",
