@@ -2,6 +2,7 @@
 (Libovický et al. 2018)."""
 import argparse
 import json
+import re
 import shutil
 
 import numpy as np
@@ -27,6 +28,7 @@ from fairseq_helpers import (
 )
 from mlmha_fairseq.cli import multi_source_attention
 from mlmha_fairseq.data.multi_source_dataset import DataError, derangement
+from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.models.multi_source import ImageFeatureEncoder, combination_modules
 from mlmha_fairseq.modules.input_combination import COMBINATIONS, STRATEGIES, build_input_combination
 from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
@@ -35,15 +37,21 @@ D, DECODER_LAYERS, CHANNELS, POSITIONS = 16, 2, 6, 3
 SPLITS = N_WAY_SPLITS
 
 
-def build_multi_source(sources, *extra, image_sources=(), dictionary=None):
-    """A tiny multi-source model and its task, built as fairseq-train builds them (the
-    task gets the toy dictionary instead of reading a data directory)."""
-    args = options.parse_args_and_arch(options.get_training_parser(), [
+def multi_source_args(sources, *extra, image_sources=()):
+    """fairseq-train's options of a tiny multi-source model."""
+    return options.parse_args_and_arch(options.get_training_parser(), [
         "unused-data-dir", "--task", "multi_source_translation", "--user-dir", USER_DIR,
         "--arch", "multi_source_transformer", *TINY_MODEL_ARGS, "--source-langs", ",".join(sources),
         "--target-lang", "tgt", *(["--image-sources", ",".join(image_sources)] if image_sources else []),
         *map(str, extra),
     ])
+
+
+def build_multi_source(sources, *extra, image_sources=(), dictionary=None, args=None):
+    """A tiny multi-source model and its task, built as fairseq-train builds them (the
+    task gets the toy dictionary instead of reading a data directory); ``args``: options
+    of :func:`multi_source_args` to build from instead."""
+    args = args or multi_source_args(sources, *extra, image_sources=image_sources)
     task = MultiSourceTranslationTask(args, dictionary or toy_dictionary(),
                                       {name: CHANNELS for name in image_sources})
     return task.build_model(args), task
@@ -611,6 +619,74 @@ def test_pretrained_embeddings_are_loaded_into_every_matrix(tmp_path):
                          (model.decoder.embed_tokens.weight, decoder_rows)):
         for index, value in rows.items():
             torch.testing.assert_close(weight[index], torch.full((D,), value))
+
+
+def pruning_args(sources, encoder_keep, decoder_keep, *extra, image_sources=()):
+    """The options of a model loaded with fairseq-generate's ``--model-overrides
+    "{'encoder_layers_to_keep': '0,2', ...}"`` (strings, as the overrides give them)."""
+    args = multi_source_args(sources, *extra, image_sources=image_sources)
+    args.encoder_layers_to_keep, args.decoder_layers_to_keep = encoder_keep, decoder_keep
+    return args
+
+
+def test_layers_to_keep_prune_every_text_encoder_and_the_decoder_as_fairseq_loads_them():
+    """The loaded model has the kept layers of every text encoder and of the decoder, with
+    their weights (fairseq's load_state_dict prunes and renumbers them); the other weights
+    are the whole model's."""
+    sources, images = ["a", "b", "img"], ("img",)
+    whole, _ = build_multi_source(sources, image_sources=images)
+    args = pruning_args(sources, "0,2", "1", image_sources=images)
+    pruned, _ = build_multi_source(sources, image_sources=images, args=args)
+    pruned.load_state_dict(whole.state_dict(), strict=True, model_cfg=args)
+    pairs = [(pruned.encoder.encoders[k].layers, whole.encoder.encoders[k].layers, [0, 2]) for k in (0, 1)]
+    pairs.append((pruned.decoder.layers, whole.decoder.layers, [1]))
+    for kept, layers, indices in pairs:
+        assert len(kept) == len(indices)
+        for layer, index in zip(kept, indices):
+            for (name, weight), (_, expected) in zip(layer.state_dict().items(), layers[index].state_dict().items()):
+                assert torch.equal(weight, expected), name
+    for name, weight in pruned.state_dict().items():
+        if ".layers." not in name:
+            assert torch.equal(weight, whole.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("encoder_keep, decoder_keep, message", [
+    ("0,3", None, "--encoder-layers-to-keep 0,3: name distinct layers among the 3 encoder layers (0 to 2) of "
+                  "multi_source_transformer"),
+    ("1,1", None, "--encoder-layers-to-keep 1,1: name distinct"),
+    ("first", None, "--encoder-layers-to-keep first: name distinct"),
+    (None, "2", "--decoder-layers-to-keep 2: name distinct layers among the 2 decoder layers"),
+])
+def test_layers_to_keep_name_layers_of_the_model(encoder_keep, decoder_keep, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        build_multi_source(["a", "b"], args=pruning_args(["a", "b"], encoder_keep, decoder_keep))
+
+
+def test_pruning_is_refused_for_weights_sized_by_the_number_of_layers():
+    """MLRF's layer table has one row per encoder layer: pruning could not load it."""
+    whole, _ = build_multi_source(["a", "b"], "--mlrf-encoder-fusion", "fnn")
+    args = pruning_args(["a", "b"], "0,2", None, "--mlrf-encoder-fusion", "fnn")
+    pruned, _ = build_multi_source(["a", "b"], args=args)
+    with pytest.raises(UsageError, match=r"--encoder-layers-to-keep: encoder\.encoders\.0\..* has a size per "
+                                         r"number of layers"):
+        pruned.load_state_dict(whole.state_dict(), strict=True, model_cfg=args)
+
+
+@pytest.mark.parametrize("options_, message", [
+    (["--encoder-layers-to-keep", "0,2"], "--encoder-layers-to-keep 0,2: multi_source_transformer keeps layers of "
+                                          "a trained model when fairseq-generate or fairseq-interactive loads it"),
+    (["--share-all-embeddings", "--encoder-embed-path", "enc.txt", "--decoder-embed-path", "dec.txt"],
+     "--decoder-embed-path dec.txt: with --share-all-embeddings the decoder of multi_source_transformer"),
+    (["--merge-src-tgt-embed"], "--merge-src-tgt-embed: multi_source_transformer has one joint dictionary"),
+])
+def test_options_the_multi_source_build_refuses_end_training_with_one_line(n_way_bin, tmp_path, options_, message):
+    """fairseq's transformer options that the multi-source build does not honour (see
+    tests above for those it does) stop fairseq-train before the first update."""
+    result = run_fairseq("train", *train_args(n_way_bin, tmp_path, "multi_source_transformer",
+                                              *task_options("s1,s2"), *options_), check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert message in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "checkpoint_last.pt").exists()
 
 
 # --- parameters and options ---------------------------------------------------------

@@ -26,6 +26,20 @@ encoder (Wang et al. 2018, §3.2, share one table between "the" encoder and the 
 Embeddings ([paper] one matrix shared by the text encoders and the decoder, tied to the
 output layer): ``--share-all-embeddings`` (the presets' default); ``--share-encoder-embeddings``
 shares one matrix among the text encoders only; otherwise every encoder has its own.
+``--encoder-embed-path`` fills every text encoder's matrix, ``--decoder-embed-path`` the
+decoder's, as fairseq's transformer does; as there, a ``--decoder-embed-path`` other than
+``--encoder-embed-path`` is refused with ``--share-all-embeddings``. ``--merge-src-tgt-embed``
+is refused (the dictionary is one already: ``--share-all-embeddings`` ties the matrices).
+
+Layer pruning (fairseq's ``--encoder-layers-to-keep``/``--decoder-layers-to-keep``, for a
+model trained with LayerDrop): given to a trained model as fairseq-generate's or
+fairseq-interactive's ``--model-overrides "{'encoder_layers_to_keep': '0,2'}"``, every text
+encoder (or the decoder) keeps those layers, renumbered, as fairseq prunes its transformer
+(``checkpoint_utils.prune_state_dict``). Refused, in one line naming the option: the option
+given to fairseq-train (fairseq could not load the checkpoint it writes: its pruning reads
+the comma-separated string only), layers the model does not have, and a model whose weights
+outside its layers have a size per number of layers (MLRF, layer aggregation, DLCL), which
+pruning cannot cut.
 
 Encoder output: the primary source's fairseq entries (so fairseq's generator, alignment and
 ``--print-alignment`` see one ordinary source) plus ``multi_source_memories`` (n tensors
@@ -41,6 +55,7 @@ interface reading the task's input lines (sources tab-separated, :class:`MultiSo
                                                         "data-bin")
     model.translate("w1 w2 w3\tW1 W2 W3", beam=5)
 """
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -75,6 +90,8 @@ from .slot_transformer import (
 from .slots import DECODER_CROSS_ATTENTION
 
 MASKS_KEY = "multi_source_padding_masks"  # encoder_out entry: one B x S_k mask per source
+# The weights of one encoder or decoder layer, the only ones fairseq's pruning renumbers.
+LAYER_KEY = re.compile(r"\.layers\.\d+\.")
 PADDING_MASK = "encoder_padding_mask"
 
 
@@ -103,6 +120,28 @@ INPUT_COMBINATION = register_mechanism(Mechanism(
                "(implied by --share-all-embeddings, which also ties the decoder's)",
                argparse=dict(action="store_true"), is_switch=True),
     ), slot_wide=False))
+
+
+def layers_to_keep(args, side: str) -> Optional[List[int]]:
+    """``--{side}-layers-to-keep`` of ``args`` (``side``: encoder or decoder), validated
+    (the module docstring says what is refused); None when not given."""
+    value = getattr(args, f"{side}_layers_to_keep", None)
+    if not value:
+        return None
+    option, arch, total = f"--{side}-layers-to-keep", args.arch, getattr(args, f"{side}_layers")
+    if not isinstance(value, str):  # argparse's list: fairseq-train's command line
+        raise UsageError(f"{option} {','.join(map(str, value))}: {arch} keeps layers of a trained model "
+                         "when fairseq-generate or fairseq-interactive loads it, given as --model-overrides "
+                         f"\"{{'{side}_layers_to_keep': '0,2'}}\"; fairseq could not load a checkpoint "
+                         "that fairseq-train writes with it")
+    try:
+        kept = [int(index) for index in value.split(",")]
+    except ValueError:
+        kept = []
+    if not kept or len(set(kept)) != len(kept) or not all(0 <= index < total for index in kept):
+        raise UsageError(f"{option} {value}: name distinct layers among the {total} {side} layers "
+                         f"(0 to {total - 1}) of {arch}")
+    return kept
 
 
 @dataclass(frozen=True)
@@ -313,9 +352,21 @@ class MultiSourceTransformerModel(SlotTransformerModel):
             raise UsageError("--arch multi_source_transformer needs --task multi_source_translation")
         if args.no_cross_attention:
             raise UsageError("--no-cross-attention: the multi-source decoder attends to its sources")
+        if args.merge_src_tgt_embed:
+            raise UsageError(f"--merge-src-tgt-embed: {args.arch} has one joint dictionary already; tie "
+                             "the embeddings with --share-all-embeddings")
+        decoder_path = args.decoder_embed_path
+        if args.share_all_embeddings and decoder_path and decoder_path != args.encoder_embed_path:
+            raise UsageError(f"--decoder-embed-path {decoder_path}: with --share-all-embeddings "
+                             f"the decoder of {args.arch} reads the text encoders' matrix, filled from "
+                             "--encoder-embed-path; give that file or leave one option out")
         sources = SourceLayout.of_task(task)
         combination = CombinationOptions.from_args(args)
         cfg = TransformerConfig.from_namespace(args)
+        for side, layers in (("encoder", cfg.encoder), ("decoder", cfg.decoder)):
+            kept = layers_to_keep(args, side)
+            if kept:  # fairseq prunes the loaded weights to these (load_state_dict)
+                layers.layers = len(kept)
         dictionary = task.source_dictionary  # one joint dictionary (the task checks it)
         primary_tokens = cls.build_embedding(cfg, dictionary, cfg.encoder.embed_dim, cfg.encoder.embed_path)
         if cfg.share_all_embeddings:
@@ -338,6 +389,21 @@ class MultiSourceTransformerModel(SlotTransformerModel):
         encoder = MultiSourceEncoder(dictionary, encoders, sources)
         decoder = MultiSourceDecoder(cfg, dictionary, decoder_tokens, combination, sources)
         return cls(args, encoder, decoder)
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        """fairseq's (which prunes the layers to keep), after refusing the pruning of a
+        model with weights outside its layers whose size depends on the number of layers."""
+        pruned = [side for side in ("encoder", "decoder")
+                  if getattr(model_cfg, f"{side}_layers_to_keep", None)]
+        if pruned:
+            own = self.state_dict()
+            sized = [key for key, value in state_dict.items()
+                     if not LAYER_KEY.search(key) and key in own and own[key].shape != value.shape]
+            if sized:
+                raise UsageError(f"--{pruned[0]}-layers-to-keep: {sized[0]} of {self.args.arch} has a size "
+                                 "per number of layers (a mechanism over all layers), which pruning "
+                                 "cannot cut; decode the whole model")
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def decoder_partner(self) -> SlotTransformerEncoder:
         """The primary source's encoder: the decoder's MLRF fusion shares its layer table."""
