@@ -36,7 +36,7 @@ def dc_layers(stack):
 
 
 def dc_closed_form(d, f):
-    """Thesis §5.2: conv f*2d^2 + 2d, local LN 2d, two bias-free FIs 6d^2, W_z 2d^2 and b_z d."""
+    """Thesis §5.3: conv f*2d^2 + 2d, local LN 2d, two bias-free FIs 6d^2, W_z 2d^2 and b_z d."""
     return 2 * f * d * d + 2 * d + 2 * d + 6 * d * d + 2 * d * d + d
 
 

@@ -190,8 +190,9 @@ def greedy_decode(model, dictionary, src, lengths, max_len):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_parameter_count_matches_closed_form(variant, bias):
-    """Ampomah et al. 2020, §3.3: per decoder layer 3(n-1)d^2 more, plus (n-1)d^2 for concatenation,
-    against fairseq's cross-attention (which has 4d biases); with biases 3(n-1)(d^2+d)."""
+    """Ampomah et al. 2020, §4.1 (Eqs. 7-12): per decoder layer 3(n-1)d^2 more, plus (n-1)d^2
+    for concatenation, against fairseq's cross-attention (which has 4d biases); with biases
+    3(n-1)(d^2+d)."""
     n = ENCODER_LAYERS
     concat = variant in ("M-00", "M-10")
     baseline = num_params(build_model("transformer"))
@@ -221,8 +222,8 @@ def test_pre_norm_adds_one_layer_norm_per_collected_layer_below_the_top():
 )
 @pytest.mark.parametrize("top_n", [2, 3])
 def test_aggregation_parameter_count_matches_thesis_formula(aggregation, extra, top_n):
-    """Thesis §2.5 closed forms; Transparent Attention adds (L+1) x M scalars (it mixes all
-    encoder states, so --mlmha-top-n does not apply to it)."""
+    """Closed forms of the thesis §3.2.1 aggregations (Eqs. 3.1-3.5); Transparent Attention adds
+    (L+1) x M scalars (it mixes all encoder states, so --mlmha-top-n does not apply to it)."""
     baseline = num_params(build_model("transformer"))
     top_n_option = [] if aggregation == "transparent" else ["--mlmha-top-n", top_n]
     model = build_model("slot_transformer", "--layer-aggregation", aggregation, *top_n_option)

@@ -298,7 +298,7 @@ def encoder_output(model, src):
 
 @pytest.mark.parametrize("heads, equivariant", [(("G", "G"), True), (("F", "B"), False), (("G", "L"), False)])
 def test_without_positions_only_global_heads_are_permutation_equivariant(heads, equivariant):
-    """Table 3's reason (Cui et al. 2019, §5): without positional embeddings, permuting the source
+    """Table 3's reason (Cui et al. 2019, §5.1): without positional embeddings, permuting the source
     permutes a global-only encoder's output; the directional and local masks break that."""
     dictionary = toy_dictionary()
     model = build_model("slot_transformer", *mixed(*heads), "--encoder-no-token-positional-embeddings",

@@ -14,7 +14,7 @@ from mlmha_fairseq.modules.representation_fusion import FeedForward
 
 
 def test_aif_default_has_no_dropout_on_the_fused_vector():
-    """Thesis §4 mentions no dropout around the fusion: by default ``z^f = [f^1; ...] W``
+    """Thesis §4.2 mentions no dropout around the fusion: by default ``z^f = [f^1; ...] W``
     exactly, also in training mode."""
     fusion = AuxiliaryInformationFusion(embed_dim=8, num_aux=2).train()
     features = torch.randn(3, 2, 16)

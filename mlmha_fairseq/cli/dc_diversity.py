@@ -1,6 +1,6 @@
 r"""Jensen-Shannon divergence between the Dual Contextual module's two FI units (thesis Fig. 5.4).
 
-Examples (the kernel-size sweep of §9.9-9.10 on newstest2014)::
+Examples (the kernel-size sweep of thesis §5.6.2, Figs. 5.3-5.4, on newstest2014)::
 
     python -m mlmha_fairseq.cli.dc_diversity f2.pt f3.pt f5.pt --names f=2 f=3 f=5 \
         --data-bin data-bin/wmt14_en_de --split test --output-prefix results/dc_diversity

@@ -1,4 +1,5 @@
-r"""Probing classifiers on frozen encoder features (thesis §9.7, SentEval probing tasks).
+r"""Probing classifiers on frozen encoder features (thesis §4.5.4 and §5.6.1, SentEval probing
+tasks).
 
 Example::
 

@@ -22,7 +22,7 @@ from mlmha_fairseq.evaluation.significance import (
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
 METHOD_HELP = """methods:
-  thesis        thesis §10: N resamples of --sample-size pairs, p = 1 - win rate
+  thesis        thesis §3.3.2: N resamples of --sample-size pairs, p = 1 - win rate
   compare-mt    compare-mt's paired bootstrap (--sample-ratio of the test set), its BLEU
   sacrebleu-bs  sacreBLEU --paired-bs (Moses bootstrap-hypothesis-difference-significance)
   sacrebleu-ar  sacreBLEU --paired-ar (approximate randomization, --ar-trials)

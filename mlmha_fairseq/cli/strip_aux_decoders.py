@@ -1,7 +1,7 @@
 """Remove the auxiliary decoders from an MS-l checkpoint for deployment.
 
 Without AIF the auxiliary decoders "can be discarded after training" (thesis
-§4.3).
+§4.2).
 
 Example::
 

@@ -1,6 +1,6 @@
 """Encoder self-attention mean distance and entropy per layer and head.
 
-As in the thesis (§5.5) and Ampomah et al. 2020 (Eqs. 13-16, after Vig & Belinkov
+As in the thesis (§3.5.3) and Ampomah et al. 2020 (§7.3, Eqs. 13-16, after Vig & Belinkov
 2019), with ``w_ij^h`` the probability of query token i attending to key token j in head h:
 
 - Eq. 13, mean distance of head h in layer l over the corpus X:

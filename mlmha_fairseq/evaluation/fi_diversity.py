@@ -1,4 +1,4 @@
-"""Diversity of the Dual Contextual module's two FI units (thesis Fig. 5.4, §5.5).
+"""Diversity of the Dual Contextual module's two FI units (thesis Fig. 5.4, §5.6.2).
 
 For every encoder layer l with a DC module, ``alpha_g`` and ``alpha_l`` are the attention
 weights of the FI units ``FI(r, r)`` and ``FI(r, l_c)``, each "represented by the attention

@@ -76,7 +76,7 @@ MLMHA = register_mechanism(Mechanism(
 LAYER_AGGREGATION = register_mechanism(Mechanism(
     "layer aggregation", Switch("--layer-aggregation", lambda args: True), (
         Option("--layer-aggregation", NO_AGGREGATION,
-               "one joint encoder memory for all decoder layers (thesis §2.2; "
+               "one joint encoder memory for all decoder layers (thesis §3.2.1; "
                "linear-combination = s-agg, iterative-combination = iter-c-agg), or transparent "
                "attention (Bapna et al. 2018: one mixture per decoder layer)",
                argparse=dict(choices=(NO_AGGREGATION, TRANSPARENT) + LAYER_AGGREGATION_CHOICES),
@@ -170,7 +170,7 @@ COLLECTED_LAYERS = register_mechanism(Mechanism(
 
 class CollectedTaps(nn.Module):
     """Encoder memory for MLMHA: the Source Feature Collector's taps (Ampomah et al. 2020,
-    §3.1)."""
+    §4)."""
 
     output_keys = (TAPS_KEY,)
 
@@ -185,7 +185,7 @@ class CollectedTaps(nn.Module):
 
 class AggregatedMemory(nn.Module):
     """Encoder memory from a layer aggregation: ``H^a`` replaces the top encoder layer
-    as every decoder layer's keys and values (thesis §2.2)."""
+    as every decoder layer's keys and values (thesis §3.2.1)."""
 
     output_keys = ("encoder_out",)
 
@@ -304,7 +304,7 @@ def build_dlcl_layer_inputs(cfg, num_layers):
 
 @register_architecture("slot_transformer", "mlmha_transformer_iwslt")
 def mlmha_transformer_iwslt(args):
-    """MLMHA, IWSLT Es-En / En-Vi (Ampomah et al. 2020, §4.1): n = L = 4, M-00; pre-norm with a LayerNorm
+    """MLMHA, IWSLT Es-En / En-Vi (Ampomah et al. 2020, §5.2): n = L = 4, M-00; pre-norm with a LayerNorm
     per collected layer, as the authors' released code."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
     thesis_pre_norm(args)
@@ -313,7 +313,7 @@ def mlmha_transformer_iwslt(args):
 
 @register_architecture("slot_transformer", "mlmha_transformer_wmt_en_de")
 def mlmha_transformer_wmt_en_de(args):
-    """MLMHA, WMT'14 En-De (Ampomah et al. 2020, §4.1): n = L = 6, M-10; pre-norm as ``mlmha_transformer_iwslt``."""
+    """MLMHA, WMT'14 En-De (Ampomah et al. 2020, §5.2): n = L = 6, M-10; pre-norm as ``mlmha_transformer_iwslt``."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
     args.mlmha_variant = getattr(args, "mlmha_variant", "M-10")
     thesis_pre_norm(args)
@@ -322,7 +322,7 @@ def mlmha_transformer_wmt_en_de(args):
 
 @register_architecture("slot_transformer", "layer_aggregation_transformer_iwslt")
 def layer_aggregation_transformer_iwslt(args):
-    """Layer aggregation (thesis §2.2) on the small IWSLT Transformer, Iter-C-Agg, n = L;
+    """Layer aggregation (thesis §3.2.1) on the small IWSLT Transformer, Iter-C-Agg, n = L;
     pre-norm with a LayerNorm per collected layer, as the authors' code."""
     args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
     thesis_pre_norm(args)
@@ -331,7 +331,7 @@ def layer_aggregation_transformer_iwslt(args):
 
 @register_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de")
 def layer_aggregation_transformer_wmt_en_de(args):
-    """Layer aggregation (thesis §2.2) on the base Transformer, Iter-C-Agg, n = L; pre-norm."""
+    """Layer aggregation (thesis §3.2.1) on the base Transformer, Iter-C-Agg, n = L; pre-norm."""
     args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
     thesis_pre_norm(args)
     thesis_base(args)

@@ -126,7 +126,7 @@ def build_mixed_attention(cfg, layer_idx, embed_dim):
 
 @register_architecture("slot_transformer", "mma_transformer_iwslt_de_en")
 def mma_transformer_iwslt_de_en(args):
-    """IWSLT14 De-En "small" model (Cui et al. 2019, §4.1): fairseq's ``transformer_iwslt_de_en`` (6+6
+    """IWSLT14 De-En "small" model (Cui et al. 2019, §4.2): fairseq's ``transformer_iwslt_de_en`` (6+6
     layers, d=512, 4 heads, FFN 1024) with dropout 0.3; MMA in every encoder layer, heads
     G,L,F,B (the default for 4 heads), w=1."""
     args.encoder_self_attention = getattr(args, "encoder_self_attention", MIXED)
@@ -137,7 +137,7 @@ def mma_transformer_iwslt_de_en(args):
 
 @register_architecture("slot_transformer", "mma_transformer_wat")
 def mma_transformer_wat(args):
-    """WAT17 En-Ja/Ja-En "base" model (Cui et al. 2019, §4.1): fairseq's ``transformer`` (6+6 layers,
+    """WAT17 En-Ja/Ja-En "base" model (Cui et al. 2019, §4.2): fairseq's ``transformer`` (6+6 layers,
     d=512, 8 heads, FFN 2048, dropout 0.1); MMA in every encoder layer, heads
     G,G,L,L,F,F,B,B (the default for 8 heads), w=1 [choice: inferred from Table 1]."""
     args.encoder_self_attention = getattr(args, "encoder_self_attention", MIXED)

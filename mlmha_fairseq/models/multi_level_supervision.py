@@ -160,7 +160,7 @@ def add_args(parser):
 
 
 class AuxiliaryMemories(nn.Module):
-    """Encoder memory slot: the memory ``H_e^l`` of every auxiliary decoder (thesis §4.3),
+    """Encoder memory slot: the memory ``H_e^l`` of every auxiliary decoder (thesis §4.2),
     stacked as ``K x T x B x C`` under ``encoder_out["aux_memories"]``, so that fairseq's
     beam search reorders it with the rest of ``encoder_out``.
 

@@ -22,8 +22,8 @@ def set_sizes(args, embed_dim: int, heads: int, ffn: int, encoder_layers: int, d
 
 def thesis_small(args):
     """The "small" IWSLT Transformer of the MLMHA paper and the thesis: d=256, 4 heads, FFN
-    1024, 4+4 layers (Ampomah et al. 2020, §4.1; thesis Table 5.1 prints FFN 512, read as a
-    typo: its baselines are chapter 3's, trained with 1024)."""
+    1024, 4+4 layers (Ampomah et al. 2020, §5.2; thesis §3.3.2; thesis Table 5.1 prints FFN
+    512, read as a typo: its baselines are chapter 3's, trained with 1024)."""
     set_sizes(args, embed_dim=256, heads=4, ffn=1024, encoder_layers=4, decoder_layers=4)
     thesis_settings(args)
 
@@ -51,8 +51,9 @@ def post_norm(args):
 
 
 def thesis_settings(args):
-    """Dropout, attention and ReLU dropout 0.1 (the authors' code base, thesis §6.2) and one
-    shared vocabulary tied three ways (``--share-all-embeddings``, Ampomah et al. 2020, §4.1)."""
+    """Dropout 0.1 (thesis §3.3.2, §4.3.2 and Table 5.1), attention and ReLU dropout 0.1 (the
+    authors' released code) and one shared vocabulary (Ampomah et al. 2020, §5.1; thesis §3.3.1)
+    tied three ways (``--share-all-embeddings``)."""
     args.dropout = getattr(args, "dropout", 0.1)
     args.attention_dropout = getattr(args, "attention_dropout", 0.1)
     args.activation_dropout = getattr(args, "activation_dropout", 0.1)

@@ -1,4 +1,4 @@
-"""Layer aggregation (thesis §2.2): one joint source memory.
+"""Layer aggregation (thesis §3.2.1): one joint source memory.
 
 Every module maps stacked encoder states ``n x T x B x C`` (bottom to top) to
 the memory that replaces ``H_e^L`` as keys/values of every decoder
@@ -115,7 +115,7 @@ class TransparentCombination(nn.Module):
         return torch.einsum("lm,ltbc->mtbc", mixture, states)
 
 
-# Thesis §2.2 names, then the MLMHA paper's names for its re-implemented baselines.
+# Thesis §3.2.1 names, then the MLMHA paper's names for its re-implemented baselines (its §5.4).
 LAYER_AGGREGATION_NAMES = ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg")
 LAYER_AGGREGATION_ALIASES: Dict[str, str] = {
     "linear-combination": "s-agg",
@@ -132,7 +132,7 @@ def build_layer_aggregation(
     dropout: float,
     activation_dropout: float,
 ) -> nn.Module:
-    """Build a thesis §2.2 aggregation (taps n x T x B x C -> T x B x C) by name.
+    """Build a thesis §3.2.1 aggregation (taps n x T x B x C -> T x B x C) by name.
 
     S-Agg: ``WS([f_1..f_n])`` (Fig. 3.2a); Iter-S-Agg: iterated 2-input WS
     (Eq. 3.2); C-Agg: ``AGG([f_1..f_n])`` (Eq. 3.4); Iter-C-Agg: iterated

@@ -1,4 +1,4 @@
-"""Multi-Layer Multi-Head Attention (MLMHA), Ampomah et al. 2020, §3 / thesis §2.3.
+"""Multi-Layer Multi-Head Attention (MLMHA), Ampomah et al. 2020, §4.1 / thesis §3.2.2.
 
 The decoder's encoder-decoder attention attends directly to the n stacked taps
 ``F^s = [f_1, ..., f_n]`` of the Source Feature Collector. Every tap has its own

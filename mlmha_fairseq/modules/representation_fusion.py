@@ -34,8 +34,8 @@ LAYER_EMBEDDING_INIT_RANGE = 0.1
 @dataclass(frozen=True)
 class FusionOptions:
     """Hyper-parameters of the fusion functions; the defaults are the paper's De-En
-    settings (§4.2: n_hop = 4, d_a = 1024, d_f = 512) and this package's readings of what
-    the paper leaves open (marked [choice])."""
+    settings (§4.2: d_a = 1024, d_f = 512; n_hop = 4 as in Tables 2-3) and this package's
+    readings of what the paper leaves open (marked [choice])."""
 
     hops: int = 4
     attention_dim: int = 1024  # d_a

@@ -1,4 +1,4 @@
-"""Source Feature Collector (Ampomah et al. 2020, §3.1; thesis §2.1).
+"""Source Feature Collector (Ampomah et al. 2020, §4; thesis §3.2).
 
 Gathers ``F^s = [f_1, ..., f_n]``, the outputs of the top n encoder layers,
 bottom to top: ``f_i = H_e^{L-n+i}``, so ``f_n = H_e^L``. The embedding output is
@@ -23,7 +23,8 @@ class SourceFeatureCollector(nn.Module):
     encoder's own final LayerNorm, so that n = 1 is exactly the baseline.
 
     ``zeroed_layer``: an encoder layer number l (1..L) whose tap is replaced by
-    zeros after its LayerNorm (Table 3.5 / Table 7 ablation, thesis §2.6(5)).
+    zeros after its LayerNorm (the encoder-layer masking ablation: thesis §3.5.4, Table 3.5;
+    Ampomah et al. 2020, §7.4, Table 7; zeroing after the LayerNorm is this package's reading).
     """
 
     def __init__(self, num_taps: int, embed_dim: int, normalize_before: bool,
