@@ -13,7 +13,7 @@ from fairseq_helpers import TINY_MODEL_ARGS, USER_DIR, build_model, toy_dictiona
 from mlmha_fairseq.cli.options import list_options, package_archs
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.models import options as mechanism_options
-from mlmha_fairseq.models.options import MECHANISMS, Mechanism, Switch, check_options
+from mlmha_fairseq.models.options import MECHANISMS, Mechanism, Option, Switch, check_options
 from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
 
 # The model of each mechanism, and options that turn off what its default turns on.
@@ -62,12 +62,32 @@ def test_every_mechanism_has_a_model_here():
 
 def test_a_mechanism_is_registered_once_under_its_name(monkeypatch):
     monkeypatch.setattr(mechanism_options, "MECHANISMS", {})
-    mechanism = Mechanism("test", Switch("--test", lambda args: True), ())
+    mechanism = Mechanism("test", None, ())
     assert mechanism_options.register_mechanism(mechanism) is mechanism
     assert mechanism_options.MECHANISMS == {"test": mechanism}
     with pytest.raises(ValueError, match="^mechanism 'test' registered twice$"):
-        mechanism_options.register_mechanism(Mechanism("test", Switch("--other", lambda args: True), ()))
+        mechanism_options.register_mechanism(Mechanism("test", Switch("--other", bool), ()))
     assert mechanism_options.MECHANISMS["test"] is mechanism
+
+
+def test_a_mechanism_without_a_switch_has_only_choices_and_options_with_switches_of_their_own():
+    with pytest.raises(ValueError, match=r"^test: --test-size would be in effect with nothing to turn it on"):
+        Mechanism("test", None, (Option("--test-choice", "a", "", is_switch=True), Option("--test-size", 1, "")))
+    Mechanism("test", None, (Option("--test-size", 1, "", needs=Switch("--test-on", bool)),))
+
+
+def test_a_negation_sets_its_flag_back_and_is_noted_as_typed():
+    """``--no-aux-fusion`` after a preset's ``--aux-fusion``, declared with the option."""
+    with pytest.raises(ValueError, match="only a flag has a negation"):
+        Option("--test-size", 1, "", negation="--no-test-size")
+    on = build_model("ms_transformer", "--aux-decoder-layers", "1", "--aux-fusion")
+    off = build_model("ms_transformer", "--aux-decoder-layers", "1", "--aux-fusion", "--no-aux-fusion")
+    assert on.args.aux_fusion is True and off.args.aux_fusion is False
+    assert type(on.decoder.layers[0]).__name__ == "AIFDecoderLayer"
+    assert type(off.decoder.layers[0]).__name__ == "SlotTransformerDecoderLayer"
+    with pytest.raises(UsageError, match=r"^--aux-fusion-dropout 0.5 needs --aux-fusion, which is off"):
+        build_model("ms_transformer", "--aux-decoder-layers", "1", "--aux-fusion", "--no-aux-fusion",
+                    "--aux-fusion-dropout", "0.5")
 
 
 @pytest.mark.parametrize("mechanism, option", CASES, ids=[option.flag for _, option in CASES])
@@ -223,7 +243,7 @@ def test_the_slot_architecture_completes_missing_options_with_their_declared_def
     written in its declaration; options already given are kept."""
     args = argparse.Namespace(decoder_cross_attention="multi-layer", mlmha_top_n=2)
     ARCH_CONFIG_REGISTRY["slot_transformer"](args)
-    assert args.encoder_self_attention == args.decoder_self_attention == "standard"
+    assert args.encoder_self_attention == "standard" and not hasattr(args, "decoder_self_attention")
     assert args.decoder_cross_attention == "multi-layer" and args.mlmha_top_n == 2
     declared = {option.dest: option.default for mechanism in MECHANISMS.values() if mechanism.slot_wide
                 for option in mechanism.options if option.dest != "mlmha_top_n"}

@@ -57,7 +57,7 @@ def list_options(arch: str) -> List[Dict[str, object]]:
         declared = option_of(action.dest)
         if default is None and declared is not None and declared[1].none_means is not None:
             default = declared[1].none_means(args)
-        if isinstance(action, argparse._StoreFalseAction):  # e.g. --no-aux-fusion: given or not
+        if action.nargs == 0 and action.const is False:  # a negation (--no-aux-fusion): given or not
             default = not default
         rows.append({"option": ", ".join(action.option_strings), "dest": action.dest,
                      "default": default, "mechanism": _mechanism(action.dest, model.__name__),

@@ -74,7 +74,7 @@ MLMHA = register_mechanism(Mechanism(
     )))
 
 LAYER_AGGREGATION = register_mechanism(Mechanism(
-    "layer aggregation", Switch("--layer-aggregation", lambda args: True), (
+    "layer aggregation", None, (
         Option("--layer-aggregation", NO_AGGREGATION,
                "one joint encoder memory for all decoder layers (thesis §3.2.1; "
                "linear-combination = s-agg, iterative-combination = iter-c-agg), or transparent "

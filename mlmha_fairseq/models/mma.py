@@ -102,14 +102,6 @@ MMA = register_mechanism(Mechanism(
                "self-attention", argparse=dict(metavar="LAYERS")),
     ), parse=MMAOptions.from_cfg))
 
-# Cui et al. 2019, Table 3 ("- Position Embedding"): an ablation of its own, also without MMA
-ENCODER_POSITIONS = register_mechanism(Mechanism(
-    "encoder without positions", Switch("--encoder-no-token-positional-embeddings", lambda args: True), (
-        Option("--encoder-no-token-positional-embeddings", False, "no positional embeddings in the "
-               "encoder; the decoder keeps them (Cui et al. 2019, Table 3)",
-               argparse=dict(action="store_true"), is_switch=True),
-    )))
-
 
 @ENCODER_SELF_ATTENTION.register(MIXED, selectable=True)
 def build_mixed_attention(cfg, layer_idx, embed_dim):

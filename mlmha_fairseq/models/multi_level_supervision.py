@@ -139,7 +139,8 @@ MULTI_LEVEL_SUPERVISION = register_mechanism(Mechanism(
                "(MS-1) or 1,2,3 (MS-123)", argparse=dict(metavar="L1,L2,..."), is_switch=True),
         Option("--aux-fusion", False, "AIF: add the auxiliary decoders' final states to every "
                "main-decoder layer after its self-attention (one bias-free d x d matrix per layer "
-               "and auxiliary decoder)", argparse=dict(action="store_true"), is_switch=True),
+               "and auxiliary decoder)", argparse=dict(action="store_true"), is_switch=True,
+               negation="--no-aux-fusion"),
         Option("--aux-fusion-dropout", 0.0, "dropout on the fused vector z^f (default 0: none, as "
                "in the thesis)", argparse=dict(type=float, metavar="P"), needs=_AIF),
         Option("--zero-aif", False, "analysis: the 'ind-decoder', AIF weights taken as zero (thesis "
@@ -150,13 +151,6 @@ MULTI_LEVEL_SUPERVISION = register_mechanism(Mechanism(
                "fairseq-generate --model-overrides \"{'decode_from': 'aux:1'}\"",
                argparse=dict(metavar="main|aux:L"), inference_only=True),
     ), slot_wide=False, parse=SupervisionOptions.from_cfg))
-
-
-def add_args(parser):
-    """Options of multi-level supervision (fairseq passes its model argument group)."""
-    MULTI_LEVEL_SUPERVISION.add_args(parser)
-    parser.add_argument("--no-aux-fusion", dest="aux_fusion", action="store_false",
-                        help="no AIF (to switch off a preset's --aux-fusion)")
 
 
 class AuxiliaryMemories(nn.Module):
@@ -331,7 +325,7 @@ class MultiLevelSupervisionModel(SlotTransformerModel):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
-        add_args(parser)
+        MULTI_LEVEL_SUPERVISION.add_args(parser)
 
     @classmethod
     def complete_options(cls, args):

@@ -106,7 +106,7 @@ def source_mask_extra(k: int) -> str:
 
 
 INPUT_COMBINATION = register_mechanism(Mechanism(
-    "the multi-source input combination", Switch("--combination-strategy", lambda args: True), (
+    "the multi-source input combination", None, (
         Option("--combination-strategy", SERIAL, "how the decoder combines the sources (Libovicky "
                "et al. 2018, Fig. 1): serial, parallel (summed contexts), flat (one attention over "
                "all states) or hierarchical (attention over the per-source contexts)",

@@ -50,7 +50,8 @@ class Option:
     of None, the value it stands for in a model of ``args`` (shown by the option listing);
     ``inference_only``: the option changes how a trained model runs, not what its weights
     mean (an ablation for ``fairseq-generate --model-overrides``), so a checkpoint loaded with
-    another value is no cause for a warning."""
+    another value is no cause for a warning; ``negation``: for a flag, the spelling that sets it
+    back (e.g. ``--no-aux-fusion``, for a preset that turns the flag on)."""
 
     flag: str
     default: Any
@@ -61,6 +62,11 @@ class Option:
     is_switch: bool = False
     none_means: Optional[Callable[[Any], Any]] = None
     inference_only: bool = False
+    negation: Optional[str] = None
+
+    def __post_init__(self):
+        if self.negation and not self.is_flag:
+            raise ValueError(f"{self.flag}: only a flag has a negation")
 
     @property
     def dest(self) -> str:
@@ -75,13 +81,23 @@ class Option:
 class Mechanism:
     """A mechanism's name, its switch and its options; ``parse(cfg)``: the options of a
     model configuration as the mechanism's frozen options object, validated
-    (:class:`~mlmha_fairseq.errors.UsageError` for a bad value)."""
+    (:class:`~mlmha_fairseq.errors.UsageError` for a bad value). A mechanism without a switch
+    (``None``) has no "off" in the models that declare it, only choices (e.g. the multi-source
+    combination strategy): each of its options is a choice (``is_switch``) or needs a
+    narrower switch of its own."""
 
     name: str
-    switch: Switch
+    switch: Optional[Switch]
     options: Tuple[Option, ...]
     slot_wide: bool = True  # options of every slot model; else added by one model's add_args
     parse: Optional[Callable[[Any], Any]] = None
+
+    def __post_init__(self):
+        unchecked = [option.flag for option in self.options
+                     if self.switch is None and not option.is_switch and option.needs is None]
+        if unchecked:
+            raise ValueError(f"{self.name}: {', '.join(unchecked)} would be in effect with nothing to "
+                             "turn it on: give the mechanism a switch or the option its own")
 
     def parsed(self, cfg):
         """``parse(cfg)``, computed once per model configuration: fairseq builds the encoder,
@@ -100,6 +116,9 @@ class Mechanism:
                 settings.update(nargs=0, const=settings.pop("action") == "store_true")
             parser.add_argument(option.flag, *option.aliases, dest=option.dest, help=option.help,
                                 action=TypedOption, **settings)
+            if option.negation:
+                parser.add_argument(option.negation, dest=option.dest, nargs=0, const=not settings["const"],
+                                    action=TypedOption, help=f"not {option.flag} (to switch off a preset's)")
 
     def set_defaults(self, args):
         """Fill the options ``args`` lacks (like fairseq's architecture functions)."""
@@ -117,7 +136,7 @@ class Mechanism:
             value = getattr(args, option.dest, _MISSING)
             if value is _MISSING or (value == option.default and option.dest not in typed):
                 continue
-            needs = option.needs or self.switch
+            needs = option.needs or self.switch  # never None (__post_init__)
             if not needs.is_on(args):
                 flag = typed.get(option.dest, option.flag)
                 given = flag if option.is_flag else f"{flag} {value}"

@@ -49,6 +49,8 @@ EMBEDDING_LAYER = 0  # footnote 2: the word-embedding layer is layer 0
 MLRF_FUSION = "mlrf_fusion"
 FUSED_OUTPUT = {ENCODER: "the memory every decoder layer attends to (Enc-*)",
                 DECODER: "the input of the output projection (Dec-*)"}
+FUNCTION_HELP = ("avg (average pooling), fnn (one-hidden-layer FNN), sa (multi-hop self-attention "
+                 "over layers, then an FNN)")
 
 
 def _function(args, side: str) -> str:
@@ -92,11 +94,12 @@ def _fusion_options(cfg) -> FusionOptions:
 
 MLRF = register_mechanism(Mechanism(
     "MLRF", _needs(*FUSION_FUNCTIONS), (
-        *(Option(f"--mlrf-{side}-fusion", NONE, f"fuse all {side} layer outputs (embedding included) "
-                 f"into {replaces}: avg (average pooling), fnn (one-hidden-layer FNN), sa "
-                 "(multi-hop self-attention over layers, then an FNN)",
-                 argparse=dict(choices=(NONE,) + FUSION_FUNCTIONS), is_switch=True)
-          for side, replaces in FUSED_OUTPUT.items()),
+        Option("--mlrf-encoder-fusion", NONE, f"fuse all encoder layer outputs (embedding included) "
+               f"into {FUSED_OUTPUT[ENCODER]}: {FUNCTION_HELP}",
+               argparse=dict(choices=(NONE,) + FUSION_FUNCTIONS), is_switch=True),
+        Option("--mlrf-decoder-fusion", NONE, f"fuse all decoder layer outputs (embedding included) "
+               f"into {FUSED_OUTPUT[DECODER]}: {FUNCTION_HELP}",
+               argparse=dict(choices=(NONE,) + FUSION_FUNCTIONS), is_switch=True),
         Option("--mlrf-hops", DEFAULTS.hops, f"SA fusion: number of attention hops n_hop (default "
                f"{DEFAULTS.hops})", argparse=dict(type=int, metavar="N"), needs=_SA),
         Option("--mlrf-attention-dim", DEFAULTS.attention_dim, f"SA fusion: inner size d_a of W1 "

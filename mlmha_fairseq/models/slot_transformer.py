@@ -52,7 +52,7 @@ from fairseq.utils import safe_getattr
 from ..errors import UsageError
 
 from .hydra_configs import namespace_of
-from .options import MECHANISMS, check_options, register_architecture
+from .options import MECHANISMS, Mechanism, Option, check_options, register_architecture, register_mechanism
 from .slots import (
     DECODER_CROSS_ATTENTION,
     DECODER_OUTPUT,
@@ -72,6 +72,15 @@ ENCODER_OUT = "encoder_out"
 OPTIONS_METADATA = "mlmha_fairseq_options"
 
 logger = logging.getLogger(__name__)
+
+# Cui et al. 2019, Table 3 ("- Position Embedding"): an ablation of the MMA paper, also without
+# MMA; read by SlotTransformerEncoder
+ENCODER_POSITIONS = register_mechanism(Mechanism(
+    "encoder without positions", None, (
+        Option("--encoder-no-token-positional-embeddings", False, "no positional embeddings in the "
+               "encoder; the decoder keeps them (Cui et al. 2019, Table 3)",
+               argparse=dict(action="store_true"), is_switch=True),
+    )))
 
 
 def wrap_layer(layer, cfg):
@@ -268,9 +277,8 @@ class SlotTransformerEncoder(TransformerEncoderBase):
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
-        if safe_getattr(cfg, "encoder_no_token_positional_embeddings", False):
-            # token embeddings without positions in the encoder only (Cui et al. 2019,
-            # Table 3); dropped before any checkpoint is loaded, so none are expected
+        if safe_getattr(cfg, "encoder_no_token_positional_embeddings", False):  # ENCODER_POSITIONS
+            # dropped before any checkpoint is loaded, so none are expected
             self.embed_positions = None
         self.memories = nn.ModuleDict(ENCODER_MEMORY.build_all(cfg, num_layers=self.num_layers))
         layer_inputs = ENCODER_LAYER_INPUTS.build_one(cfg, num_layers=self.num_layers)

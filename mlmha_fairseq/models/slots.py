@@ -85,14 +85,9 @@ class Slot:
         return [DEFAULT] + self._selectable
 
     def add_option(self, parser):
-        """The slot's choice; a slot no mechanism selects keeps its option parseable
-        (``standard`` only) but out of ``--help``."""
-        parser.add_argument(
-            self.option,
-            choices=self.choices,
-            help=(f"what fills the {self.name} slot ({DEFAULT}: fairseq's module)"
-                  if self._selectable else argparse.SUPPRESS),
-        )
+        """The slot's choice."""
+        parser.add_argument(self.option, choices=self.choices,
+                            help=f"what fills the {self.name} slot ({DEFAULT}: fairseq's module)")
 
     def selected(self, cfg) -> str:
         return (safe_getattr(cfg, self.dest) or DEFAULT) if self.option else DEFAULT
@@ -132,12 +127,12 @@ def _where(context) -> str:
 
 
 ENCODER_SELF_ATTENTION = Slot("encoder self-attention", "--encoder-self-attention")
-DECODER_SELF_ATTENTION = Slot("decoder self-attention", "--decoder-self-attention")
+DECODER_SELF_ATTENTION = Slot("decoder self-attention")  # DC claims it (--dc-decoder-layers); none selects it
 DECODER_CROSS_ATTENTION = Slot("decoder cross-attention", "--decoder-cross-attention")
 ENCODER_MEMORY = Slot("encoder memory")  # not exclusive: read with build_all, never build
 ENCODER_LAYER_INPUTS = Slot("encoder layer inputs")  # DLCL: what each encoder layer reads
 DECODER_OUTPUT = Slot("decoder output")
-SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
+SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
 
 def check_distinct_outputs(cfg, *fills: Tuple[Slot, Dict[str, nn.Module]]):
     """The encoder's modules declare the ``encoder_out`` entries they write (``output_keys``):
@@ -178,6 +173,10 @@ def add_slot_args(parser):
     """The slot choices and every slot-wide mechanism's options."""
     for slot in SELECTABLE_SLOTS:
         slot.add_option(parser)
+    # The first release offered the decoder self-attention slot as an option, whose only value
+    # was ever "standard" (DC claims the slot through --dc-decoder-layers): accepted, unlisted,
+    # so that those command lines keep working.
+    parser.add_argument("--decoder-self-attention", choices=(DEFAULT,), help=argparse.SUPPRESS)
     for mechanism in slot_wide_mechanisms():
         mechanism.add_args(parser)
 
