@@ -122,16 +122,22 @@ def test_an_unusable_corpus_is_refused_in_one_line_before_anything_is_written(tm
     assert not (tmp_path / "work").exists()
 
 
-def test_a_multi_source_table_on_n_way_data(tmp_path):
-    """Systems given by combination strategy and sources, on an N-way corpus (es, fr -> en)."""
+def test_a_multi_source_table_and_curves_on_n_way_data(tmp_path):
+    """Systems given by combination strategy and sources, on an N-way corpus (es, fr -> en),
+    with learning curves: the multi-source task validates by BLEU as the translation task."""
     corpus = tiny_corpus(tmp_path, "es", "fr")
     config = tmp_path / "grid.toml"
     config.write_text(f'work_dir = "{tmp_path / "work"}"\nmax_update = 2\nbeam = 1\nbatch_size = 8\nsystems = [\n'
                       '  { name = "fr only", strategy = "serial", sources = ["fr"] },\n'
                       '  { name = "es+fr hierarchical", strategy = "hierarchical", sources = ["es", "fr"] }]\n'
+                      '[convergence]\nvalidate_every = 1\npatience = 5\n'
                       f'[corpus]\ndir = "{corpus}"\n')
     assert experiment.main([str(config), *ARGS]) == 0
     rows = json.loads((tmp_path / "work" / "results.json").read_text())["systems"]
     assert [row["name"] for row in rows] == ["fr only", "es+fr hierarchical"]
     trainings = [line for line in (tmp_path / "work" / "commands.log").read_text().splitlines() if "train" in line]
     assert "--source-langs es,fr" in trainings[1] and "--combination-strategy hierarchical" in trainings[1]
+    assert all("--eval-bleu" in line for line in trainings)
+    curves = json.loads((tmp_path / "work" / "results-curves.json").read_text())["seeds"]
+    for name in ("fr only", "es+fr hierarchical"):
+        assert curves[name]["1"]["validations"] == 2  # one validation BLEU per update

@@ -186,10 +186,6 @@ def load_config(path: str) -> Experiment:
         missing = sorted(set(CONVERGENCE_SCHEMA) - set(convergence))
         if missing:
             raise UsageError(f"{path}: [convergence] needs {' and '.join(missing)}")
-        unsupported = [system.name for system in systems if system.task_options]
-        if unsupported:  # validation BLEU (--eval-bleu) is the translation task's
-            raise UsageError(f"{path}: [convergence] needs validation BLEU, which the multi-source task does "
-                             f"not compute yet: remove {unsupported} or the [convergence] table")
     launcher = config.get("launcher")
     if launcher is not None:
         check_table(launcher, LAUNCHER_SCHEMA, f"{path}: [launcher]")
