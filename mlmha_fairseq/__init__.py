@@ -7,7 +7,8 @@ model, architecture, criterion and task (fairseq itself only auto-imports ``mode
 ``tasks/`` of a user directory, so criteria must be imported here).
 """
 from . import compat  # noqa: F401  (first: safe checkpoint loading on torch >= 2.6)
-from .errors import install_excepthook
+from .errors import install_excepthook, running_fairseq_command
 from . import criterions, models, tasks  # noqa: F401
 
-install_excepthook()  # UsageError ends fairseq's tools with one line, not a traceback
+if running_fairseq_command():  # fairseq-train --user-dir ...: no entry point of ours to catch a UsageError
+    install_excepthook()

@@ -1,12 +1,16 @@
 """User-facing errors of the package: bad options, bad input files, conflicting mechanisms.
 
-fairseq's command-line tools (``fairseq-train``, ``fairseq-generate``) let any exception raised
-while a model, task or dataset is built end the process with a Python traceback, which buries the
-one line a user needs. This package raises :class:`UsageError` for input it rejects, and importing
-the package (as ``--user-dir`` does) installs :func:`excepthook`, which prints such an error as
-``<prog>: error: <message>`` and exits with status 1, like argparse. Every other exception keeps
-the interpreter's usual traceback.
+This package raises :class:`UsageError` for input it rejects; a command-line tool ends with it
+as ``<prog>: error: <message>`` and exit status 1, like argparse, instead of a traceback that
+buries the one line a user needs. The package's own tools (``python -m mlmha_fairseq.cli.*``)
+do so in their entry point (:func:`mlmha_fairseq.cli._support.command`). fairseq's tools
+(``fairseq-train``, ``fairseq-generate``, ...) import the package through ``--user-dir`` and
+have no entry point of ours: when the running program is one of them, importing the package
+installs :func:`excepthook`. Any other program that imports the package (a notebook, pytest, a
+script) keeps its ``sys.excepthook``. Every other exception keeps the interpreter's usual
+traceback.
 """
+import importlib.metadata
 import os
 import pickle
 import re
@@ -38,8 +42,15 @@ def unsafe_checkpoint_message(error: BaseException) -> Optional[str]:
             "thing, so the file carries code or was not written by fairseq; do not load it")
 
 
+def one_line_message(error: BaseException) -> Optional[str]:
+    """What a command prints for ``error`` instead of a traceback: a :class:`UsageError`'s
+    message, or the one line for torch's refusal of an unsafe checkpoint; None for any other
+    error, which keeps its traceback."""
+    return str(error) if isinstance(error, UsageError) else unsafe_checkpoint_message(error)
+
+
 def excepthook(exc_type, exc, tb, previous=None):
-    message = str(exc) if issubclass(exc_type, UsageError) else unsafe_checkpoint_message(exc)
+    message = one_line_message(exc)
     if message is not None:
         print(format_usage_error(message), file=sys.stderr)
         return
@@ -57,3 +68,19 @@ def install_excepthook():
 
     hook._mlmha_usage_errors = True
     sys.excepthook = hook
+
+
+FAIRSEQ_CLI_PACKAGE = "fairseq_cli"
+
+
+def running_fairseq_command() -> bool:
+    """Whether this process is one of fairseq's command-line tools: ``python -m
+    fairseq_cli.<tool>``, or a console script that fairseq installs for one (``fairseq-train``:
+    its name is in ``sys.argv[0]``, its ``__main__`` is the script, not the module)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None:
+        return spec.name.startswith(FAIRSEQ_CLI_PACKAGE + ".")
+    argv = getattr(sys, "argv", None) or [""]
+    program = os.path.basename(argv[0])
+    return any(entry.name == program and entry.value.startswith(FAIRSEQ_CLI_PACKAGE + ".")
+               for entry in importlib.metadata.entry_points(group="console_scripts"))

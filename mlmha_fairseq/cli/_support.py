@@ -3,7 +3,8 @@ import argparse
 import logging
 import os
 import re
-from typing import Iterator, List, Optional, Sequence
+import sys
+from typing import Callable, Iterator, List, NoReturn, Optional, Sequence
 
 from mlmha_fairseq.evaluation.scoring import (
     DEFAULT_PROTOCOL,
@@ -15,7 +16,7 @@ from mlmha_fairseq.evaluation.scoring import (
     TextOptions,
     resolve_protocol,
 )
-from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.errors import UsageError, format_usage_error, one_line_message
 from mlmha_fairseq.output_files import refuse_overwriting_inputs
 
 SUBWORD_NMT = "subword_nmt"
@@ -133,6 +134,24 @@ def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
             if real in (stem + ".csv", stem + ".json") or (real.startswith(stem) and real.endswith(".png")):
                 raise UsageError(f"--output-prefix {prefix} would overwrite the input {path}; "
                                  "choose another prefix")
+
+
+def command(main: Callable[[], Optional[int]]) -> NoReturn:
+    """Run a tool's ``main`` as its command (``if __name__ == "__main__"``) and exit with the
+    status it returns: input the package rejects (:class:`~mlmha_fairseq.errors.UsageError`),
+    or a checkpoint that safe loading refuses, ends it with one line ``<prog>: error: ...`` and
+    status 1 instead of a traceback. Here rather than in a ``sys.excepthook``, so that importing
+    the package leaves other programs' hooks alone; ``main`` itself raises, for callers in
+    Python."""
+    try:
+        status = main()
+    except Exception as error:
+        message = one_line_message(error)
+        if message is None:
+            raise
+        print(format_usage_error(message), file=sys.stderr)
+        sys.exit(1)
+    sys.exit(status)
 
 
 def run(parser: argparse.ArgumentParser, body, argv=None) -> None:

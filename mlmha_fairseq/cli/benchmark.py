@@ -378,4 +378,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli_support.command(main)

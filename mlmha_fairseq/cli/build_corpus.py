@@ -17,6 +17,7 @@ import os
 import sys
 from typing import List, Optional
 
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.corpus.builder import (
     BPE_CODES, DATA_BIN, DEFAULT_BPE_MERGES, DEFAULT_SEED, DEFAULT_WORKERS, MANIFEST, TEXT_DIR, BuildConfig,
     build_corpus,
@@ -123,4 +124,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli_support.command(main)

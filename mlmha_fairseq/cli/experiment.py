@@ -71,7 +71,6 @@ of the last ``average_last`` checkpoints), and the report adds the learning curv
 at which each seed stopped, and the systems compared at matched updates
 (``results-curves.{md,json}``).
 """
-import sys
 
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.experiments.runner import run
@@ -103,4 +102,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli_support.command(main)

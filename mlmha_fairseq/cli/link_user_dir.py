@@ -33,4 +33,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli_support.command(main)

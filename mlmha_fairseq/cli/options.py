@@ -85,4 +85,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()  # a UsageError ends it with one line (mlmha_fairseq.errors)
+    cli_support.command(main)

@@ -29,6 +29,7 @@ from fairseq.distributed import utils as distributed_utils
 from fairseq_cli import train
 
 import mlmha_fairseq
+from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.errors import UsageError
 
 USER_DIR_FLAG = "--user-dir"
@@ -86,4 +87,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli_support.command(main)
