@@ -17,7 +17,7 @@ EXPERIMENT_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): scripts/setup_venv.sh requirements.txt setup.py
+$(STAMP): scripts/setup_venv.sh requirements.txt pyproject.toml setup.py
 	bash scripts/setup_venv.sh $(VENV)
 	@touch $@
 

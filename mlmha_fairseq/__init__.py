@@ -6,6 +6,8 @@ multi-level supervision).
 model, architecture, criterion and task (fairseq itself only auto-imports ``models/`` and
 ``tasks/`` of a user directory, so criteria must be imported here).
 """
+__version__ = "0.1.0"  # the one place of the version: pyproject.toml reads it (tests/test_packaging.py)
+
 from . import compat  # noqa: F401  (first: safe checkpoint loading on torch >= 2.6)
 from .errors import install_excepthook, running_fairseq_command
 from . import criterions, models, tasks  # noqa: F401

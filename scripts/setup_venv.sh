@@ -20,7 +20,7 @@ FAIRSEQ_SPEC=${FAIRSEQ_SPEC:-fairseq-fixed==0.12.3.1}
 
 log() { printf '[setup] %s\n' "$*"; }
 
-# Python 3.11 is the version tested (setup.py's python_requires).
+# Python 3.11 is the version tested (pyproject.toml's requires-python).
 INTERPRETER=$PYTHON
 [ -x "$VENV/bin/python" ] && INTERPRETER="$VENV/bin/python"
 if ! "$INTERPRETER" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
