@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from fairseq_helpers import build_model, full_logits, random_batch
 
+from mlmha_fairseq.experiments.systems import SYSTEMS
 from mlmha_fairseq.modules.multi_layer_attention import MultiLayerMultiheadAttention, parse_variant
 
 # The GPU tier: ``pytest -m cuda`` on a machine with a GPU; skipped, with this reason, elsewhere.
@@ -18,6 +19,16 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
 HALF_TYPES = [torch.bfloat16, torch.float16]
 VARIANTS = ["M-00", "M-01", "M-10", "M-11"]
 
+def without_criterion(options):
+    """A system's model options: a training criterion (the joint loss of multi-level
+    supervision) is not built with the model."""
+    options = list(options)
+    if "--criterion" in options:
+        at = options.index("--criterion")
+        del options[at:at + 2]
+    return options
+
+
 # Stated tolerances of a half-precision run against fp32 of the same weights, about three
 # times the largest deviation measured over all mechanisms at the test size on CPU (bf16
 # keeps 8 mantissa bits, fp16 11). Incremental decoding against the full forward in half
@@ -27,20 +38,11 @@ TOLERANCES = {
     torch.float16: dict(logits_atol=0.015, loss_rtol=1e-3, min_grad_cosine=0.9995),
 }
 
-# name -> options on top of TINY_MODEL_ARGS (the first is the architecture); the same
-# systems as the benchmark's table, at the test size.
+# name -> options on top of TINY_MODEL_ARGS (the first is the architecture): the systems of the
+# package's one table that the tests build (``test_options`` not None), at the test size.
 MECHANISMS = {
-    "slot_transformer": ["slot_transformer"],
-    **{f"mlmha {v}": ["slot_transformer", "--decoder-cross-attention", "multi-layer", "--mlmha-variant", v]
-       for v in VARIANTS},
-    **{f"aggregation {a}": ["slot_transformer", "--layer-aggregation", a]
-       for a in ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg", "transparent")},
-    "dlcl": ["slot_transformer", "--dlcl-encoder"],
-    "mlrf Enc-FNN": ["slot_transformer", "--mlrf-encoder-fusion", "fnn"],
-    "mlrf Dec-SA": ["slot_transformer", "--mlrf-decoder-fusion", "sa", "--mlrf-indep-w1"],
-    "mma": ["slot_transformer", "--encoder-self-attention", "mixed", "--encoder-attention-heads", "4"],
-    "dc full": ["slot_transformer", "--dc-encoder-layers", "all", "--dc-decoder-layers", "all"],
-    "MS-12 + AIF": ["ms_transformer", "--aux-decoder-layers", "1,2", "--aux-fusion"],
+    system.key: [system.arch, *without_criterion(system.options), *system.test_options]
+    for system in SYSTEMS if system.test_options is not None
 }
 
 

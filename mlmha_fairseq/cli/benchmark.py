@@ -38,33 +38,20 @@ from typing import Dict, List, Tuple
 import torch
 
 from mlmha_fairseq.cli import _support as cli_support
-from mlmha_fairseq.experiments.systems import BENCHMARK_KEYS, lookup
+from mlmha_fairseq.experiments.systems import SIZES, SYSTEMS
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json, write_text
 
 logger = logging.getLogger("mlmha_fairseq.benchmark")
-BASELINE = BENCHMARK_KEYS[0]
+BASELINE = SYSTEMS[0].key
 
 # name -> (architecture, options), from the package's one list of systems; the fixed size
 # is set by --size on top of these.
-CONFIGURATIONS: Dict[str, Tuple[str, List[str]]] = {
-    key: (lookup(key).arch, lookup(key).options) for key in BENCHMARK_KEYS
-}
+CONFIGURATIONS: Dict[str, Tuple[str, List[str]]] = {system.key: (system.arch, system.options) for system in SYSTEMS}
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-SIZES = {
-    "small": dict(embed_dim=256, ffn_embed_dim=1024, heads=4, layers=4),
-    "base": dict(embed_dim=512, ffn_embed_dim=2048, heads=8, layers=6),
-}
-
-
 def size_options(size: str) -> List[str]:
-    s = SIZES[size]
-    options = []
-    for side in ("encoder", "decoder"):
-        options += [f"--{side}-embed-dim", s["embed_dim"], f"--{side}-ffn-embed-dim", s["ffn_embed_dim"],
-                    f"--{side}-attention-heads", s["heads"], f"--{side}-layers", s["layers"]]
-    return [str(o) for o in options] + ["--share-all-embeddings", "--dropout", "0.1"]
+    return SIZES[size].options()
 
 
 def build(name: str, size: str, vocab_size: int, dtype: str = "fp32"):
@@ -314,7 +301,7 @@ def parse_args(argv=None):
                              f"{', '.join(CONFIGURATIONS)} (default: %(default)s)")
     parser.add_argument("--size", choices=SIZES, default="small",
                         help="model size, the same for every system: " + "; ".join(
-                            f"{name} = {s['layers']} layers, {s['embed_dim']}-dim, {s['heads']} heads"
+                            f"{name} = {s.layers} layers, {s.embed_dim}-dim, {s.heads} heads"
                             for name, s in SIZES.items()) + " (default: %(default)s)")
     parser.add_argument("--sentences", type=int, default=32,
                         help="training batch, sentences (default: %(default)s)")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlmha_fairseq
-from mlmha_fairseq.experiments.systems import System
+from mlmha_fairseq.experiments.systems import SIZES, System
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.output_files import exclusive_folder
 from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hypotheses, resolve_protocol
@@ -33,14 +33,7 @@ USER_DIR = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
 POLL_SECONDS = 20
 UPDATE_CHECKPOINT = r"checkpoint_\d+_(\d+)\.pt"  # fairseq's name of the checkpoint after update N
 
-# the demo's model: d=128, 3+3 layers
-MODEL = [
-    "--encoder-layers", "3", "--decoder-layers", "3",
-    "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
-    "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-    "--share-all-embeddings", "--dropout", "0.1",
-]
+MODEL = SIZES["demo"].options()  # the demo's model: d=128, 3+3 layers
 
 
 class Batching(NamedTuple):

@@ -6,7 +6,36 @@ size, data and training budget are added by the tool that runs it. Every system 
 tables, e.g. ``MLMHA M-00``); :func:`lookup` accepts either.
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+QUICK, FULL = "quick", "full"  # in the demo's table always, or with --full only
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A model size of the tools (the same for encoder and decoder), with one embedding matrix
+    shared three ways and dropout 0.1."""
+
+    embed_dim: int
+    ffn_embed_dim: int
+    heads: int
+    layers: int
+
+    def options(self) -> List[str]:
+        options = []
+        for side in ("encoder", "decoder"):
+            options += [f"--{side}-layers", self.layers, f"--{side}-embed-dim", self.embed_dim,
+                        f"--{side}-ffn-embed-dim", self.ffn_embed_dim, f"--{side}-attention-heads", self.heads]
+        return [str(option) for option in options] + ["--share-all-embeddings", "--dropout", "0.1"]
+
+
+SIZES: Dict[str, ModelSize] = {
+    "demo": ModelSize(embed_dim=128, ffn_embed_dim=512, heads=4, layers=3),  # the demo and the runner
+    # the benchmark's; the documents' small and base Transformers (models/presets.py)
+    "small": ModelSize(embed_dim=256, ffn_embed_dim=1024, heads=4, layers=4),
+    "base": ModelSize(embed_dim=512, ffn_embed_dim=2048, heads=8, layers=6),
+}
 
 
 @dataclass
@@ -14,75 +43,75 @@ class System:
     name: str  # label in tables
     arch: str
     options: List[str] = field(default_factory=list)
-    full_only: bool = False  # the demo runs it with --full only
     task_options: List[str] = field(default_factory=list)  # for fairseq-train and -generate
     sources: Tuple[str, ...] = ()  # of a multi-source system (its --source-langs)
     key: str = ""  # short name (the benchmark's); defaults to ``name``
+    demo: Optional[str] = None  # in the demo's first table: QUICK, FULL, or None (not)
+    test_options: Optional[Tuple[str, ...]] = None  # in the tests' table of mechanisms (tests/mechanisms.py)
+    # with these options at the test size, or None (a variant the tests need not build again)
 
     def __post_init__(self):
         self.key = self.key or self.name
+
+    @property
+    def full_only(self) -> bool:
+        """The demo runs it with --full only."""
+        return self.demo == FULL
 
 
 MLMHA = ["--decoder-cross-attention", "multi-layer"]
 JOINT_LOSS = ["--criterion", "multi_decoder_label_smoothed_cross_entropy"]
 
+# Every system of the package's tools, once, in the benchmark's order (the baseline first). A
+# new mechanism is added here: the demo (``demo``), the benchmark, the experiment runner and the
+# tests (``test_options``) take their lists from this table.
 SYSTEMS: List[System] = [
-    System("Transformer (fairseq)", "transformer", key="transformer"),
-    System("MLMHA M-00", "slot_transformer", MLMHA + ["--mlmha-variant", "M-00"], key="mlmha M-00"),
-    System("Iter-C-Agg", "slot_transformer", ["--layer-aggregation", "iter-c-agg"], full_only=True,
-           key="aggregation iter-c-agg"),
-    System("MLMHA M-01", "slot_transformer", MLMHA + ["--mlmha-variant", "M-01"], full_only=True,
-           key="mlmha M-01"),
-    System("MLMHA M-10", "slot_transformer", MLMHA + ["--mlmha-variant", "M-10"], full_only=True,
-           key="mlmha M-10"),
-    System("MLMHA M-11", "slot_transformer", MLMHA + ["--mlmha-variant", "M-11"], full_only=True,
-           key="mlmha M-11"),
-    System("S-Agg", "slot_transformer", ["--layer-aggregation", "s-agg"], full_only=True, key="aggregation s-agg"),
-    System("Transparent Attention", "slot_transformer", ["--layer-aggregation", "transparent"], full_only=True,
-           key="aggregation transparent"),
-    # H/4 heads each of G, L, F, B
-    System("MMA", "slot_transformer", ["--encoder-self-attention", "mixed"], full_only=True, key="mma"),
-    System("MLRF Both-FNN-SA", "slot_transformer", ["--mlrf-encoder-fusion", "fnn", "--mlrf-decoder-fusion", "sa"],
-           full_only=True, key="mlrf Both-FNN-SA"),
-    # Dual Contextual (thesis ch. 5, f = 2)
-    System("Enc-DC", "slot_transformer", ["--dc-encoder-layers", "all"], full_only=True, key="dc encoder"),
-    # multi-level supervision (thesis ch. 4, Table 4.6a), trained with the joint loss: without
-    # AIF generation runs the main decoder only; with AIF the auxiliary decoders run in lock-step.
-    System("MS-2 + AIF", "ms_transformer", ["--aux-decoder-layers", "2", "--aux-fusion", *JOINT_LOSS],
-           full_only=True),
-    # the benchmark's further configurations
-    System("slot_transformer", "slot_transformer"),
+    System("Transformer (fairseq)", "transformer", key="transformer", demo=QUICK),
+    System("slot_transformer", "slot_transformer", test_options=()),
+    *(System(f"MLMHA {variant}", "slot_transformer", MLMHA + ["--mlmha-variant", variant], key=f"mlmha {variant}",
+             demo=QUICK if variant == "M-00" else FULL, test_options=())
+      for variant in ("M-00", "M-01", "M-10", "M-11")),
+    System("S-Agg", "slot_transformer", ["--layer-aggregation", "s-agg"], key="aggregation s-agg", demo=FULL,
+           test_options=()),
     System("S-Agg (iterative)", "slot_transformer", ["--layer-aggregation", "iter-s-agg"],
-           key="aggregation iter-s-agg"),
-    System("C-Agg", "slot_transformer", ["--layer-aggregation", "c-agg"], key="aggregation c-agg"),
+           key="aggregation iter-s-agg", test_options=()),
+    System("C-Agg", "slot_transformer", ["--layer-aggregation", "c-agg"], key="aggregation c-agg", test_options=()),
+    System("Iter-C-Agg", "slot_transformer", ["--layer-aggregation", "iter-c-agg"], key="aggregation iter-c-agg",
+           demo=FULL, test_options=()),
+    System("Transparent Attention", "slot_transformer", ["--layer-aggregation", "transparent"],
+           key="aggregation transparent", demo=FULL, test_options=()),
+    # dynamic linear combination of layers (Wang et al. 2019), encoder side
+    System("DLCL", "slot_transformer", ["--dlcl-encoder"], key="dlcl", test_options=()),
     System("MLRF Enc-FNN", "slot_transformer", ["--mlrf-encoder-fusion", "fnn", "--mlrf-decoder-fusion", "none"],
-           key="mlrf Enc-FNN"),
+           key="mlrf Enc-FNN", test_options=()),
     System("MLRF Dec-SA", "slot_transformer", ["--mlrf-encoder-fusion", "none", "--mlrf-decoder-fusion", "sa"],
            key="mlrf Dec-SA"),
     System("MLRF Dec-SA + indep. W1", "slot_transformer",
            ["--mlrf-encoder-fusion", "none", "--mlrf-decoder-fusion", "sa", "--mlrf-indep-w1"],
-           key="mlrf Dec-SA + indep. W1"),
+           key="mlrf Dec-SA + indep. W1", test_options=()),
+    System("MLRF Both-FNN-SA", "slot_transformer", ["--mlrf-encoder-fusion", "fnn", "--mlrf-decoder-fusion", "sa"],
+           key="mlrf Both-FNN-SA", demo=FULL),
+    # H/4 heads each of G, L, F, B (the tests' model has 2 heads: 4 for one head of each type)
+    System("MMA", "slot_transformer", ["--encoder-self-attention", "mixed"], key="mma", demo=FULL,
+           test_options=("--encoder-attention-heads", "4")),
+    # Dual Contextual (thesis ch. 5, f = 2)
+    System("Enc-DC", "slot_transformer", ["--dc-encoder-layers", "all"], key="dc encoder", demo=FULL),
     System("Dec-DC", "slot_transformer", ["--dc-decoder-layers", "all"], key="dc decoder"),
     System("Full-DC", "slot_transformer", ["--dc-encoder-layers", "all", "--dc-decoder-layers", "all"],
-           key="dc full"),
+           key="dc full", test_options=()),
+    # multi-level supervision (thesis ch. 4, Table 4.6a), trained with the joint loss: without
+    # AIF generation runs the main decoder only; with AIF the auxiliary decoders run in lock-step.
     System("MS-1", "ms_transformer", ["--aux-decoder-layers", "1", *JOINT_LOSS]),
     System("MS-1 + AIF", "ms_transformer", ["--aux-decoder-layers", "1", "--aux-fusion", *JOINT_LOSS]),
-    System("MS-123 + AIF", "ms_transformer", ["--aux-decoder-layers", "1,2,3", "--aux-fusion", *JOINT_LOSS]),
-    # dynamic linear combination of layers (Wang et al. 2019), encoder side
-    System("DLCL", "slot_transformer", ["--dlcl-encoder"], key="dlcl"),
+    System("MS-2 + AIF", "ms_transformer", ["--aux-decoder-layers", "2", "--aux-fusion", *JOINT_LOSS], demo=FULL),
+    # the tests' model has 3 encoder layers: 4 for auxiliary decoders on layers 1, 2 and 3
+    System("MS-123 + AIF", "ms_transformer", ["--aux-decoder-layers", "1,2,3", "--aux-fusion", *JOINT_LOSS],
+           test_options=("--encoder-layers", "4")),
 ]
 BASELINE = SYSTEMS[0]
 
-# the demo's first table, in its order
-DEMO_SYSTEMS: List[System] = SYSTEMS[:12]
-
-# the benchmark's configurations, in its order
-BENCHMARK_KEYS = (
-    "transformer", "slot_transformer", "mlmha M-00", "mlmha M-01", "mlmha M-10", "mlmha M-11",
-    "aggregation s-agg", "aggregation iter-s-agg", "aggregation c-agg", "aggregation iter-c-agg",
-    "aggregation transparent", "dlcl", "mlrf Enc-FNN", "mlrf Dec-SA", "mlrf Dec-SA + indep. W1", "mlrf Both-FNN-SA",
-    "mma", "dc encoder", "dc decoder", "dc full", "MS-1", "MS-1 + AIF", "MS-123 + AIF",
-)
+# the demo's first table
+DEMO_SYSTEMS: List[System] = [system for system in SYSTEMS if system.demo]
 
 
 def by_name() -> Dict[str, System]:
