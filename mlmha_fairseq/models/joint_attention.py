@@ -58,6 +58,23 @@ def _aggregates(args) -> bool:
     return getattr(args, "layer_aggregation", NO_AGGREGATION) in LAYER_AGGREGATION_CHOICES
 
 
+@dataclass(frozen=True)
+class MLMHAOptions:
+    """The MLMHA cross-attention of every decoder layer (Ampomah et al. 2020, Table 1 for the
+    variant), validated once."""
+
+    joint_weights: bool  # M-0x: one weight distribution over all collected layers' keys
+    concat_contexts: bool  # M-x0: the n contexts concatenated (and projected), else summed
+    bias: bool
+    share_query: bool
+    share_kv: bool
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "MLMHAOptions":
+        joint_weights, concat_contexts = parse_variant(cfg.mlmha_variant)
+        return cls(joint_weights, concat_contexts, cfg.mlmha_bias, cfg.mlmha_share_query, cfg.mlmha_share_kv)
+
+
 MLMHA = register_mechanism(Mechanism(
     "MLMHA", Switch(f"--decoder-cross-attention {MULTI_LAYER}", _uses_multi_layer_attention), (
         Option("--mlmha-variant", "M-00", "MLMHA: joint (M-0x) or layer-specific (M-1x) attention "
@@ -71,7 +88,7 @@ MLMHA = register_mechanism(Mechanism(
         Option("--mlmha-share-kv", False, "one MLMHA key and one value projection for all n "
                "collected layers (default: one pair per layer, as the paper's parameter counts)",
                argparse=dict(action="store_true")),
-    )))
+    ), parse=MLMHAOptions.from_cfg))
 
 LAYER_AGGREGATION = register_mechanism(Mechanism(
     "layer aggregation", None, (
@@ -235,12 +252,11 @@ class TransparentCrossAttention(MultiheadAttention):
 def build_multi_layer_attention(cfg, layer_idx, embed_dim):
     if cfg.encoder.embed_dim != embed_dim:
         raise UsageError("--decoder-cross-attention multi-layer needs --encoder-embed-dim == --decoder-embed-dim")
-    layers = COLLECTED_LAYERS.parsed(cfg)
-    joint_weights, concat_contexts = parse_variant(cfg.mlmha_variant)
+    layers, options = COLLECTED_LAYERS.parsed(cfg), MLMHA.parsed(cfg)
     return MultiLayerMultiheadAttention(
-        embed_dim, cfg.decoder.attention_heads, layers.top_n, joint_weights, concat_contexts,
-        dropout=cfg.attention_dropout, bias=cfg.mlmha_bias,
-        share_query=cfg.mlmha_share_query, share_kv=cfg.mlmha_share_kv,
+        embed_dim, cfg.decoder.attention_heads, layers.top_n, options.joint_weights, options.concat_contexts,
+        dropout=cfg.attention_dropout, bias=options.bias,
+        share_query=options.share_query, share_kv=options.share_kv,
         dropped_layer_index=layers.masked_tap if layers.mask_mode == MASK_DROP else None,
         memory_key=TAPS_KEY,
     )
