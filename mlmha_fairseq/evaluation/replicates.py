@@ -17,7 +17,6 @@ deviations, and the concatenation of replicates that turns sacreBLEU's one-test-
 MultEval's test over replicates (see :func:`replicate_ar_p_value`).
 """
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -182,10 +181,6 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
                   else f"unbabel-comet, model {comet.directory}, system score (mean segment score) x 100")
     return ReplicateReport(baseline_name, rows, signatures, meteor_note, asdict(options), list(extra or {}),
                            comet_note)
-
-
-def _number(value: Optional[float], digits: int = 2) -> str:
-    return UNAVAILABLE if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
 def _mean_sd_text(values: Sequence[Optional[float]], plus_minus: str = " ± ") -> str:
