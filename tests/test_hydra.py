@@ -34,7 +34,7 @@ from mlmha_fairseq.models.hydra_configs import (
     package_models,
     package_presets,
 )
-from mlmha_fairseq.models.multi_level_supervision import AIFDecoderLayer
+from mlmha_fairseq.models.multi_level_supervision import AIFStep
 from mlmha_fairseq.models.multi_source import MultiSourceEncoder
 from mlmha_fairseq.models.options import MECHANISMS
 from mlmha_fairseq.models.slot_transformer import package_options
@@ -200,7 +200,7 @@ def test_hydra_round_trip_multi_level_supervision_with_aif(data_bin, tmp_path):
     checkpoint = hydra_train("multi_level_supervision", data_bin, tmp_path / "ckpt", "model.aux_decoder_layers=1")
     model = reloaded(checkpoint)
     assert len(model.decoder.aux_decoders) == 1
-    assert all(isinstance(layer, AIFDecoderLayer) for layer in model.decoder.layers)
+    assert all(isinstance(layer.aux_fusion, AIFStep) for layer in model.decoder.layers)
     assert_same_model(model, argparse_model(data_bin, "ms_transformer_iwslt", "--aux-decoder-layers", "1",
                                             "--criterion", "multi_decoder_label_smoothed_cross_entropy"))
     assert_decodes_the_test_set(data_bin, checkpoint)

@@ -567,12 +567,12 @@ def test_aif_main_decoder_layers_take_the_decoder_slot_fillers_of_their_index():
     """The Main-Decoder's AIF layers are slot layers built with their own index: a per-layer
     decoder mechanism (the Dual Contextual module on decoder layer 2) lands in that layer of
     the Main-Decoder only (the auxiliary decoders are fairseq's stacks)."""
-    from mlmha_fairseq.models.multi_level_supervision import AIFDecoderLayer
+    from mlmha_fairseq.models.multi_level_supervision import AIFStep
     from mlmha_fairseq.modules.dual_contextual import DualContextual
 
     model = build_model("ms_transformer", *ms("1", "--aux-fusion"), "--dc-decoder-layers", "2")
     main = model.decoder.layers
-    assert all(isinstance(layer, AIFDecoderLayer) for layer in main)
+    assert all(isinstance(layer.aux_fusion, AIFStep) for layer in main)
     assert [isinstance(layer.self_attn, DualContextual) for layer in main] == [False, True]
     assert not any(isinstance(layer.self_attn, DualContextual) for layer in model.decoder.aux_decoders[0].layers)
 

@@ -83,8 +83,8 @@ def test_a_negation_sets_its_flag_back_and_is_noted_as_typed():
     on = build_model("ms_transformer", "--aux-decoder-layers", "1", "--aux-fusion")
     off = build_model("ms_transformer", "--aux-decoder-layers", "1", "--aux-fusion", "--no-aux-fusion")
     assert on.args.aux_fusion is True and off.args.aux_fusion is False
-    assert type(on.decoder.layers[0]).__name__ == "AIFDecoderLayer"
-    assert type(off.decoder.layers[0]).__name__ == "SlotTransformerDecoderLayer"
+    assert type(on.decoder.layers[0].aux_fusion).__name__ == "AIFStep"
+    assert not hasattr(off.decoder.layers[0], "aux_fusion")
     with pytest.raises(UsageError, match=r"^--aux-fusion-dropout 0.5 needs --aux-fusion, which is off"):
         build_model("ms_transformer", "--aux-decoder-layers", "1", "--aux-fusion", "--no-aux-fusion",
                     "--aux-fusion-dropout", "0.5")

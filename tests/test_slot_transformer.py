@@ -15,6 +15,7 @@ from fairseq_helpers import (
     random_batch,
     toy_dictionary,
 )
+from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.models import slots
 from mlmha_fairseq.models.slot_transformer import SlotTransformerModel
 
@@ -141,24 +142,30 @@ def test_a_replaced_encoder_output_the_decoder_does_not_read_is_refused():
 
 # --- the staged decoder layer -------------------------------------------------------------
 
-def layer_pair(norm, layer_class=None, **settings):
-    """fairseq's decoder layer and the staged slot layer (or ``layer_class``) with the same
-    weights."""
+def layer_config(norm, **settings):
+    """The ``TransformerConfig`` of the tiny slot model."""
     from fairseq import options
     from fairseq.models.transformer import TransformerConfig
-    from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
     from fairseq_helpers import TINY_MODEL_ARGS, USER_DIR
-    from mlmha_fairseq.models.slot_transformer import SlotTransformerDecoderLayer
 
     args = options.parse_args_and_arch(options.get_training_parser(), [
         "unused-data-dir", "--task", "translation", "--user-dir", USER_DIR, "--arch", "slot_transformer",
         *TINY_MODEL_ARGS, *NORMALIZATION[norm]])
     vars(args).update(settings)  # fairseq's --scale-* settings have no legacy command-line option
-    cfg = TransformerConfig.from_namespace(args)
+    return TransformerConfig.from_namespace(args)
+
+
+def layer_pair(norm, **settings):
+    """fairseq's decoder layer and the staged slot layer with the same weights."""
+    from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+
+    from mlmha_fairseq.models.slot_transformer import SlotTransformerDecoderLayer
+
+    cfg = layer_config(norm, **settings)
     torch.manual_seed(0)
     reference = TransformerDecoderLayerBase(cfg)
-    ours = (layer_class or SlotTransformerDecoderLayer)(cfg, layer_idx=0)
+    ours = SlotTransformerDecoderLayer(cfg, layer_idx=0)
     ours.load_state_dict(reference.state_dict(), strict=True)
     assert ours.state_dict().keys() == reference.state_dict().keys()
     with torch.no_grad():  # non-trivial LayerNorm weights, also for the --scale-* modules
@@ -214,25 +221,125 @@ def test_staged_layer_equals_fairseq_decoder_layer_incrementally_with_reordering
             assert torch.equal(got[1], expected[1]), f"step {step}"
 
 
-def test_staged_layer_passes_per_call_extras_to_the_step_after_self_attention():
-    from mlmha_fairseq.models.slot_transformer import LayerInput, SlotTransformerDecoderLayer
+@pytest.mark.parametrize("norm", NORMALIZATION)
+@pytest.mark.parametrize("return_fc", [False, True], ids=["x", "return-fc"])
+@pytest.mark.parametrize("attn_mask", [False, True], ids=["no-mask", "attn-mask"])
+def test_staged_encoder_layer_equals_fairseq_encoder_layer(norm, return_fc, attn_mask):
+    """The encoder layer's two stages compute fairseq's ``TransformerEncoderLayerBase.forward``
+    with the same weights: padding, fairseq's 0/1 attention mask, ``return_fc``."""
+    from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
-    class Shifted(SlotTransformerDecoderLayer):
-        def after_self_attention(self, x, extras):
-            return x + extras["shift"]
+    from mlmha_fairseq.models.slot_transformer import SlotTransformerEncoderLayer
 
-    reference, shifted = layer_pair("post-norm", Shifted)
+    cfg = layer_config(norm)
+    torch.manual_seed(0)
+    reference = TransformerEncoderLayerBase(cfg, return_fc=return_fc)
+    with torch.no_grad():  # non-trivial LayerNorm weights
+        for parameter in reference.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    ours = SlotTransformerEncoderLayer(cfg, layer_idx=0, return_fc=return_fc)
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    assert ours.state_dict().keys() == reference.state_dict().keys()
+    reference.eval(), ours.eval()
+    x, _, _ = layer_inputs()  # T x B x C
+    padding = torch.zeros(x.size(1), x.size(0), dtype=torch.bool)
+    padding[1, -2:] = True
+    mask = torch.triu(torch.ones(x.size(0), x.size(0)), 1) if attn_mask else None
+    with torch.no_grad():
+        expected = reference(x, padding, attn_mask=mask)
+        got = ours(x, padding, attn_mask=mask)
+    if return_fc:
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.fixture
+def stage_slots(monkeypatch):
+    """The decoder stage slots, with the fillers a test registers removed after it."""
+    for slot in (slots.DECODER_AFTER_SELF_ATTENTION, slots.DECODER_CROSS_ATTENTION_SUBLAYER,
+                 slots.DECODER_FEED_FORWARD):
+        monkeypatch.setattr(slot, "_fillers", dict(slot._fillers))
+
+
+class Shift(torch.nn.Module):
+    """A test module of the after-self-attention slot: adds the layer extra ``shift``. No
+    parameters: the layer's state dict stays fairseq's."""
+
+    layer_attribute = "shift"
+
+    def after_self_attention(self, x, extras):
+        return x + extras["shift"]
+
+
+class Sublayer(torch.nn.Module):
+    """A test module of the cross-attention sublayer and feed-forward slots."""
+
+    def __init__(self, layer_attribute=None, dim=16):
+        super().__init__()
+        self.layer_attribute = layer_attribute
+        self.bias = torch.nn.Parameter(torch.full((dim,), 0.25))
+
+    def cross_attention_sublayer(self, x, encoder_out, encoder_padding_mask, incremental_state, extras,
+                                 need_weights, need_head_weights):
+        return x + self.bias + extras["shift"] * encoder_out.mean(), None
+
+    def feed_forward(self, x):
+        return 2 * x + self.bias
+
+
+def test_staged_layer_passes_per_call_extras_to_the_step_after_self_attention(stage_slots):
+    from mlmha_fairseq.models.slot_transformer import LayerInput
+
+    slots.DECODER_AFTER_SELF_ATTENTION.register("test")(lambda cfg, **where: Shift())
+    reference, shifted = layer_pair("post-norm")
+    assert isinstance(shifted.shift, Shift)
     x, memory, padding = layer_inputs()
     shift = torch.full_like(x, 0.5)
     with torch.no_grad():
         got = shifted(x, LayerInput(memory, {"shift": shift}), padding)[0]
         # the same layer from its stages, the shift added between them by hand
         h = shifted.self_attention_stage(x, memory, padding, None, None, None, None)
-        h, _ = shifted.cross_attention_stage(h + shift, memory, padding, None, None, False, False)
+        h, _ = shifted.cross_attention_stage(h + shift, memory, padding, None, None, False, False, {})
         expected = shifted.feed_forward_stage(h)
         plain = reference(x, memory, padding)[0]
     assert torch.equal(got, expected)
     assert not torch.allclose(got, plain, atol=1e-3)
+
+
+def test_stage_slot_modules_run_in_their_stages_under_the_names_they_declare(stage_slots):
+    """A filled cross-attention sublayer is the layer's ``encoder_attn`` (no
+    ``encoder_attn_layer_norm``); a filled feed-forward stage drops fairseq's FFN modules."""
+    from mlmha_fairseq.models.slot_transformer import LayerInput, SlotTransformerDecoderLayer
+
+    slots.DECODER_AFTER_SELF_ATTENTION.register("test")(lambda cfg, **where: Shift())
+    slots.DECODER_CROSS_ATTENTION_SUBLAYER.register("test")(lambda cfg, **where: Sublayer())
+    slots.DECODER_FEED_FORWARD.register("test")(lambda cfg, **where: Sublayer("ffn"))
+    layer = SlotTransformerDecoderLayer(layer_config("pre-norm"), layer_idx=0).eval()
+    assert {key.split(".")[0] for key in layer.state_dict()} == {
+        "self_attn", "self_attn_layer_norm", "encoder_attn", "ffn"}
+    assert layer.encoder_attn_layer_norm is layer.fc1 is layer.fc2 is layer.final_layer_norm is None
+    x, memory, padding = layer_inputs()
+    shift = torch.full_like(x, 0.5)
+    with torch.no_grad():
+        got, attn, _ = layer(x, LayerInput(memory, {"shift": shift}), padding)
+        h = layer.self_attention_stage(x, memory, padding, None, None, None, None) + shift
+        expected = 2 * (h + layer.encoder_attn.bias + shift * memory.mean()) + layer.ffn.bias
+    assert torch.equal(got, expected) and attn is None
+
+
+def test_two_fillers_of_a_decoder_stage_slot_are_refused_naming_both(stage_slots):
+    slots.DECODER_AFTER_SELF_ATTENTION.register("test", given_by=lambda cfg: "--test-shift")(
+        lambda cfg, **where: Shift())
+    with pytest.raises(UsageError, match=r"^the decoder after self-attention slot of layer 1 is claimed by "
+                                         r"several mechanisms \(--aux-fusion, --test-shift\): choose one$"):
+        build_model("ms_transformer", "--aux-decoder-layers", "1", "--aux-fusion")
+    slots.DECODER_CROSS_ATTENTION_SUBLAYER.register("test", given_by=lambda cfg: "--test-sublayer")(
+        lambda cfg, **where: Sublayer())
+    with pytest.raises(UsageError, match=r"^the decoder cross-attention of layer 1 is claimed by several "
+                                         r"mechanisms \(--decoder-cross-attention multi-layer, --test-sublayer\): "
+                                         r"choose one$"):
+        build_model("slot_transformer", "--decoder-cross-attention", "multi-layer")
 
 
 @pytest.mark.parametrize("norm", NORMALIZATION)

@@ -53,16 +53,9 @@ from fairseq.modules import LayerNorm
 from ..errors import UsageError
 from ..modules.auxiliary_information_fusion import AuxiliaryInformationFusion
 from .presets import post_norm, thesis_base, thesis_pre_norm, thesis_small
-from .slot_transformer import (
-    SlotTransformerDecoder,
-    SlotTransformerDecoderLayer,
-    SlotTransformerModel,
-    next_layer_index,
-    slot_transformer,
-    wrap_layer,
-)
+from .slot_transformer import SlotTransformerDecoder, SlotTransformerModel, slot_transformer
 from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
-from .slots import ENCODER_MEMORY
+from .slots import DECODER_AFTER_SELF_ATTENTION, ENCODER_MEMORY
 
 AUX_MEMORIES = "aux_memories"  # K x T x B x C: H_e^l of each auxiliary decoder, in order
 AUX_STATES = "aux_states"  # extra entry while decoding: each aux decoder's (features, extra)
@@ -188,21 +181,30 @@ def build_aux_memories(cfg, num_layers):
     return AuxiliaryMemories(layers, cfg.encoder.embed_dim, cfg.encoder.normalize_before)
 
 
-class AIFDecoderLayer(SlotTransformerDecoderLayer):
-    """A Main-Decoder layer with AIF: ``h^ <- h^ + z^f`` right after the masked
-    self-attention sublayer (thesis Eq. 4.3), then cross-attention and FFN as usual. In
-    post-norm ``h^`` is the self-attention sublayer's normalised output ``S_d^l``; in
-    pre-norm the residual stream, before the cross-attention's LayerNorm. The decoder hands
-    ``[f^1; ...; f^n]`` (T x B x nC) as the layer extra ``aux_features``; without it (the
-    ind-decoder, ``--zero-aif``) the layer is the plain one."""
+class AIFStep(AuxiliaryInformationFusion):
+    """AIF in a Main-Decoder layer, the module of its after-self-attention slot:
+    ``h^ <- h^ + z^f`` right after the masked self-attention sublayer (thesis Eq. 4.3), then
+    cross-attention and FFN as usual. In post-norm ``h^`` is the self-attention sublayer's
+    normalised output ``S_d^l``; in pre-norm the residual stream, before the
+    cross-attention's LayerNorm. The decoder hands ``[f^1; ...; f^n]`` (T x B x nC) as the
+    layer extra ``aux_features``; without it (the ind-decoder, ``--zero-aif``) the layer is
+    the plain one."""
 
-    def __init__(self, cfg, layer_idx: int, num_aux: int, dropout: float, no_encoder_attn: bool = False):
-        super().__init__(cfg, layer_idx, no_encoder_attn=no_encoder_attn)
-        self.aux_fusion = AuxiliaryInformationFusion(self.embed_dim, num_aux, dropout)
+    layer_attribute = "aux_fusion"  # decoder.layers.<i>.aux_fusion.*: the names of AIF checkpoints
 
     def after_self_attention(self, x, extras: Dict[str, Tensor]):
         features = extras.get(AUX_FEATURES)
-        return x if features is None else x + self.aux_fusion(features)
+        return x if features is None else x + self(features)
+
+
+@DECODER_AFTER_SELF_ATTENTION.register("aux_fusion", given_by=lambda cfg: _AIF.text)
+def build_aux_fusion(cfg, layer_idx, embed_dim, **layer_context):
+    """Every Main-Decoder layer of an AIF model (the layer context, e.g. a multi-source
+    model's sources, is not read)."""
+    if not _AIF.is_on(cfg):
+        return None
+    options = MULTI_LEVEL_SUPERVISION.parsed(cfg)
+    return AIFStep(embed_dim, len(options.aux_layers), options.fusion_dropout)
 
 
 class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
@@ -216,8 +218,8 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
     """
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
-        self.options = MULTI_LEVEL_SUPERVISION.parsed(cfg)  # read by build_decoder_layer in super().__init__
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
+        self.options = MULTI_LEVEL_SUPERVISION.parsed(cfg)
         self.aux_layers = list(self.options.aux_layers)
         self._check_compatible(no_encoder_attn)
         self.aux_decoders = nn.ModuleList(
@@ -226,13 +228,6 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
         self.aux_fusion = self.options.fusion
         self.zero_aif = self.options.zero_aif
         self.decode_from = self.options.decode_from
-
-    def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        if not self.options.fusion:
-            return super().build_decoder_layer(cfg, no_encoder_attn)
-        layer = AIFDecoderLayer(cfg, next_layer_index(self), len(self.options.aux_layers),
-                                self.options.fusion_dropout, no_encoder_attn)
-        return wrap_layer(layer, cfg)
 
     def _check_compatible(self, no_encoder_attn: bool):
         if not self.aux_layers:

@@ -7,17 +7,18 @@ Model ``multi_source_transformer`` (with ``--task multi_source_translation``):
   text source (so the encoder-side slot options, e.g. ``--encoder-self-attention``, apply to
   every text encoder), a linear projection ``Linear(C, d)`` per image-feature source
   ([paper] "a linear projection to 512"; no positional encoding, no mask);
-* decoder layers whose cross-attention stage is the strategy of ``--combination-strategy``
+* decoder layers whose cross-attention sublayer is the strategy of ``--combination-strategy``
   (``serial``, ``parallel``, ``flat``, ``hierarchical``;
   :mod:`mlmha_fairseq.modules.input_combination`), in pre-norm (``--decoder-normalize-before``,
-  the reference implementation) or post-norm (fairseq's default) form; the layer builds
-  it (:class:`MultiSourceDecoderLayer`). The decoder cross-attention slot stays
-  ``standard``: the strategies need the multi-source encoder output, so they are not
-  offered to ``slot_transformer``.
+  the reference implementation) or post-norm (fairseq's default) form: the decoder
+  cross-attention sublayer slot's filler builds it for the sources the decoder hands its
+  layers. The decoder cross-attention slot stays ``standard``: the strategies need the
+  multi-source encoder output, so they are not offered to ``slot_transformer``.
 
 The task's facts about the sources (names, kinds, primary source, image feature sizes: a
 :class:`~mlmha_fairseq.source_kinds.SourceLayout`) are handed to the encoder and decoder
-constructors at build time; they are not options and are not stored in ``args``.
+constructors at build time, and by the decoder to its layers' fillers (its layer context); they
+are not options and are not stored in ``args``.
 
 MLRF (``--mlrf-*``) on a multi-source model: every text encoder has its own fusion and
 layer-embedding table; the decoder's fusion shares the table of the primary source's
@@ -72,6 +73,8 @@ from ..modules.input_combination import (
     STRATEGIES,
     InputCombination,
     build_input_combination,
+    source_mask_extra,
+    source_memory_extra,
 )
 from ..errors import UsageError
 from ..source_kinds import IMAGE, TEXT, SourceLayout
@@ -80,29 +83,16 @@ from .presets import set_sizes
 from .slot_transformer import (
     ENCODER_OUT,
     SlotTransformerDecoder,
-    SlotTransformerDecoderLayer,
     SlotTransformerEncoder,
     SlotTransformerModel,
-    next_layer_index,
     slot_transformer,
-    wrap_layer,
 )
-from .slots import DECODER_CROSS_ATTENTION
+from .slots import DECODER_CROSS_ATTENTION_SUBLAYER
 
 MASKS_KEY = "multi_source_padding_masks"  # encoder_out entry: one B x S_k mask per source
 # The weights of one encoder or decoder layer, the only ones fairseq's pruning renumbers.
 LAYER_KEY = re.compile(r"\.layers\.\d+\.")
 PADDING_MASK = "encoder_padding_mask"
-
-
-def source_memory_extra(k: int) -> str:
-    """Name of source k's memory among the decoder layers' per-call extras."""
-    return f"source_memory_{k}"
-
-
-def source_mask_extra(k: int) -> str:
-    """Name of source k's padding mask among the decoder layers' per-call extras."""
-    return f"source_padding_mask_{k}"
 
 
 INPUT_COMBINATION = register_mechanism(Mechanism(
@@ -221,65 +211,31 @@ class MultiSourceEncoder(FairseqEncoder):
         return min(self.encoders[k].max_positions() for k in self.text_indices)
 
 
-class MultiSourceDecoderLayer(SlotTransformerDecoderLayer):
-    """The staged slot layer whose cross-attention stage is an :class:`InputCombination`
-    (residuals and LayerNorms included, since serial chains n residual sublayers; the
-    combination owns its LayerNorms, so the layer's ``encoder_attn_layer_norm`` is not
-    kept). Self-attention and feed-forward stages are the slot layer's."""
-
-    def __init__(self, cfg, layer_idx: int, combination: CombinationOptions, sources: SourceLayout):
-        self.combination = combination  # read by build_encoder_attention inside super().__init__
-        self.sources = sources
-        super().__init__(cfg, layer_idx)
-        self.encoder_attn_layer_norm = None
-
-    def build_encoder_attention(self, embed_dim, cfg):
-        claimed = DECODER_CROSS_ATTENTION.build_all(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)
-        if claimed:
-            raise UsageError(f"the decoder cross-attention of the multi-source model is claimed by "
-                             f"several mechanisms (--combination-strategy {self.combination.strategy}, "
-                             f"{', '.join(DECODER_CROSS_ATTENTION.given_by(name, cfg) for name in claimed)}): "
-                             "choose one")
-        return build_input_combination(
-            self.combination.strategy, embed_dim, cfg.decoder.attention_heads, len(self.sources),
-            cfg.encoder.embed_dim, cfg.dropout, cfg.attention_dropout, cfg.decoder.normalize_before,
-            primary_index=self.sources.primary_index, hier_heads=self.combination.hier_heads,
-        )
-
-    def forward(self, x, encoder_out=None, encoder_padding_mask=None, *args, **extras):
-        """The slot layer's forward with ``encoder_out`` and ``encoder_padding_mask`` the
-        lists of the n memories and masks, which arrive one tensor per extra
-        (:meth:`MultiSourceDecoder.extract_features`) so that fairseq's checkpoint wrapper
-        sees each of them (:meth:`SlotTransformerDecoderLayer.__call__`)."""
-        if source_memory_extra(0) in extras:
-            encoder_out = [extras.pop(source_memory_extra(k)) for k in range(len(self.sources))]
-            encoder_padding_mask = [extras.pop(source_mask_extra(k)) for k in range(len(self.sources))]
-        return super().forward(x, encoder_out, encoder_padding_mask, *args, **extras)
-
-    def cross_attention_stage(self, x, encoder_out, encoder_padding_mask, incremental_state,
-                              prev_attn_state, need_attn: bool, need_head_weights: bool):
-        """``encoder_out``/``encoder_padding_mask``: the lists of the n memories and masks
-        (:meth:`forward`)."""
-        return self.encoder_attn(
-            x, encoder_out, encoder_padding_mask, incremental_state,
-            need_weights=need_attn or (not self.training and self.need_attn),
-            need_head_weights=need_head_weights,
-        )
+@DECODER_CROSS_ATTENTION_SUBLAYER.register(
+    "input combination", given_by=lambda cfg: f"--combination-strategy {cfg.combination_strategy}")
+def build_combination_sublayer(cfg, layer_idx, embed_dim, sources: Optional[SourceLayout] = None,
+                               combination: Optional[CombinationOptions] = None, **layer_context):
+    """Every layer of the multi-source decoder, which hands its layers the sources and the
+    combination options (no other decoder does): the strategy's :class:`InputCombination`
+    (residuals and LayerNorms included, since serial chains n residual sublayers)."""
+    if sources is None:
+        return None
+    return build_input_combination(
+        combination.strategy, embed_dim, cfg.decoder.attention_heads, len(sources),
+        cfg.encoder.embed_dim, cfg.dropout, cfg.attention_dropout, cfg.decoder.normalize_before,
+        primary_index=sources.primary_index, hier_heads=combination.hier_heads,
+    )
 
 
 class MultiSourceDecoder(SlotTransformerDecoder):
-    """The slot decoder with :class:`MultiSourceDecoderLayer` layers, which receive all n
-    memories and masks through fairseq's own layer loop, as per-call extras."""
+    """The slot decoder whose layers' cross-attention sublayer is an input combination
+    (:func:`build_combination_sublayer`); they receive all n memories and masks through
+    fairseq's own layer loop, as per-call extras."""
 
     def __init__(self, cfg, dictionary, embed_tokens, combination: CombinationOptions,
                  sources: SourceLayout):
-        self.combination = combination  # read by build_decoder_layer inside super().__init__
-        self.sources = sources
-        super().__init__(cfg, dictionary, embed_tokens)
-
-    def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        layer = MultiSourceDecoderLayer(cfg, next_layer_index(self), self.combination, self.sources)
-        return wrap_layer(layer, cfg)
+        super().__init__(cfg, dictionary, embed_tokens,
+                         layer_context=dict(sources=sources, combination=combination))
 
     def extract_features(
         self,

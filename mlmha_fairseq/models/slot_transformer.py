@@ -20,8 +20,9 @@ What the slots add to fairseq's data flow:
   (``memory_key``, default ``"encoder_out"``); the decoder hands that entry to every layer
   in place of the top encoder layer, so fairseq's layer loop runs unchanged.
 * A decoder-output module fuses the decoder's layer outputs before the final LayerNorm.
-* The decoder layer runs in four overridable stages (:class:`SlotTransformerDecoderLayer`);
-  per-call inputs of a mechanism reach them through the layer call (:class:`LayerInput`).
+* The encoder layer runs in two stages and the decoder layer in four
+  (:class:`SlotTransformerDecoderLayer`), whose modules come from the stage slots; per-call
+  inputs of a mechanism reach them through the layer call (:class:`LayerInput`).
 
 Every slot model is built by :meth:`SlotTransformerModel.build_model`; see
 ``docs/architecture.md``.
@@ -54,7 +55,10 @@ from ..errors import UsageError
 from .hydra_configs import namespace_of
 from .options import MECHANISMS, Mechanism, Option, check_options, register_architecture, register_mechanism
 from .slots import (
+    DECODER_AFTER_SELF_ATTENTION,
     DECODER_CROSS_ATTENTION,
+    DECODER_CROSS_ATTENTION_SUBLAYER,
+    DECODER_FEED_FORWARD,
     DECODER_OUTPUT,
     DECODER_SELF_ATTENTION,
     ENCODER_LAYER_INPUTS,
@@ -64,6 +68,7 @@ from .slots import (
     add_slot_args,
     apply_model_hooks,
     check_distinct_outputs,
+    one_module,
     set_slot_defaults,
 )
 
@@ -101,7 +106,10 @@ def next_layer_index(stack) -> int:
 
 class SlotTransformerEncoderLayer(TransformerEncoderLayerBase):
     """fairseq's encoder layer whose self-attention comes from the encoder self-attention
-    slot (fairseq's ``MultiheadAttention`` by default)."""
+    slot (fairseq's ``MultiheadAttention`` by default), computed in two stages,
+    :meth:`self_attention_stage` and :meth:`feed_forward_stage`, as fairseq's
+    ``TransformerEncoderLayerBase.forward`` computes it (pre- and post-norm,
+    ``tests/test_slot_transformer.py``)."""
 
     def __init__(self, cfg, layer_idx: int, return_fc: bool = False):
         self.layer_idx = layer_idx  # read by build_self_attention inside super().__init__
@@ -110,6 +118,38 @@ class SlotTransformerEncoderLayer(TransformerEncoderLayerBase):
     def build_self_attention(self, embed_dim, cfg):
         module = ENCODER_SELF_ATTENTION.build(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)
         return module if module is not None else super().build_self_attention(embed_dim, cfg)
+
+    def forward(self, x, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
+        """fairseq's layer interface: ``x`` T x B x C; ``attn_mask`` (T x T, 1 = masked) becomes
+        additive, -1e8 (-1e4 below float32) as in fairseq, not -inf: a padded query row would
+        otherwise be all -inf and its softmax NaN."""
+        if attn_mask is not None:
+            attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
+        x = self.self_attention_stage(x, encoder_padding_mask, attn_mask)
+        x, fc_result = self.feed_forward_stage(x)
+        if self.return_fc and not torch.jit.is_scripting():
+            return x, fc_result
+        return x
+
+    def self_attention_stage(self, x, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]):
+        """Self-attention sublayer with its residual and LayerNorm."""
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        x, _ = self.self_attn(query=x, key=x, value=x, key_padding_mask=encoder_padding_mask,
+                              need_weights=False, attn_mask=attn_mask)
+        x = self.residual_connection(self.dropout_module(x), residual)
+        return x if self.normalize_before else self.self_attn_layer_norm(x)
+
+    def feed_forward_stage(self, x) -> Tuple[Tensor, Tensor]:
+        """Position-wise feed-forward sublayer: ``(x, fc2's output before dropout)``, the
+        ``fc_result`` fairseq returns with ``return_fc``."""
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        fc_result = self.fc2(self.activation_dropout_module(self.activation_fn(self.fc1(x))))
+        x = self.residual_connection(self.dropout_module(fc_result), residual)
+        return (x if self.normalize_before else self.final_layer_norm(x)), fc_result
 
 
 class LayerInput(NamedTuple):
@@ -125,16 +165,40 @@ class LayerInput(NamedTuple):
 
 
 class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
-    """fairseq's decoder layer in four stages, each a method a mechanism may override:
-    :meth:`self_attention_stage` (masked self-attention with its residual and LayerNorm),
-    :meth:`after_self_attention` (identity; AIF adds its fused features there),
-    :meth:`cross_attention_stage` and :meth:`feed_forward_stage`. Same submodules, parameter
-    names and numbers as fairseq's ``TransformerDecoderLayerBase`` (pre- and post-norm,
-    ``tests/test_slot_transformer.py``); self- and cross-attention come from their slots."""
+    """fairseq's decoder layer in four stages: :meth:`self_attention_stage` (masked
+    self-attention with its residual and LayerNorm), :meth:`after_self_attention` (nothing in
+    the Transformer; AIF adds its fused features there), :meth:`cross_attention_stage` and
+    :meth:`feed_forward_stage`. The self- and cross-attention come from their slots, and each
+    stage slot (:mod:`.slots`) may fill its stage; with those slots empty, the same submodules,
+    parameter names and numbers as fairseq's ``TransformerDecoderLayerBase`` (pre- and
+    post-norm, ``tests/test_slot_transformer.py``). ``layer_context``: the decoder's keywords
+    for the stage slots' fillers (e.g. the multi-source model's sources)."""
 
-    def __init__(self, cfg, layer_idx: int, no_encoder_attn: bool = False):
-        self.layer_idx = layer_idx  # read by the build_* methods inside super().__init__
+    def __init__(self, cfg, layer_idx: int, no_encoder_attn: bool = False, **layer_context):
+        # read by the build_* methods inside super().__init__
+        self.layer_idx = layer_idx
+        self.layer_context = layer_context
+        self.encoder_attn_is_sublayer = False  # set by build_encoder_attention
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
+        if self.encoder_attn_is_sublayer:
+            self.encoder_attn_layer_norm = None  # the sublayer owns its LayerNorms
+        where = dict(layer_idx=layer_idx, embed_dim=self.embed_dim, **layer_context)
+        # registered after fairseq's modules, where AIF's layer class had its aux_fusion: the
+        # parameter order of optimizer states in checkpoints
+        self.after_self_attention_name = self._keep(DECODER_AFTER_SELF_ATTENTION.build(cfg, **where))
+        self.feed_forward_name = self._keep(DECODER_FEED_FORWARD.build(cfg, **where))
+        if self.feed_forward_name is not None:  # the module is the whole sublayer
+            self.fc1 = self.fc2 = self.ffn_layernorm = self.final_layer_norm = self.w_resid = None
+
+    def _keep(self, module: Optional[nn.Module]) -> Optional[str]:
+        """A stage slot's module registered under the attribute it declares (its parameter
+        names in checkpoints, e.g. ``aux_fusion``); that attribute, None for an empty slot."""
+        if module is None:
+            return None
+        if hasattr(self, module.layer_attribute):
+            raise ValueError(f"the decoder layer already has a {module.layer_attribute!r}")
+        setattr(self, module.layer_attribute, module)
+        return module.layer_attribute
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         module = DECODER_SELF_ATTENTION.build(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)
@@ -145,7 +209,15 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         )
 
     def build_encoder_attention(self, embed_dim, cfg):
-        module = DECODER_CROSS_ATTENTION.build(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)
+        """The cross-attention slot's module, or the sublayer slot's (kept as ``encoder_attn``,
+        fairseq's name, so that ``--no-cross-attention`` and ``need_attn`` apply to it), or
+        fairseq's attention."""
+        where = dict(layer_idx=self.layer_idx, embed_dim=embed_dim)
+        sublayer = DECODER_CROSS_ATTENTION_SUBLAYER.build_one(cfg, **where, **self.layer_context)
+        module = one_module("decoder cross-attention", cfg, where,
+                            (DECODER_CROSS_ATTENTION, DECODER_CROSS_ATTENTION.build_one(cfg, **where)),
+                            (DECODER_CROSS_ATTENTION_SUBLAYER, sublayer))
+        self.encoder_attn_is_sublayer = bool(sublayer)
         return module if module is not None else super().build_encoder_attention(embed_dim, cfg)
 
     def __call__(self, x, encoder_out=None, *args, **kwargs):
@@ -176,7 +248,7 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         **extras: Optional[Tensor],
     ):
         """fairseq's layer interface, plus the per-call ``extras`` of the mechanisms
-        (:class:`LayerInput`), handed to :meth:`after_self_attention`."""
+        (:class:`LayerInput`), handed to the stages after the self-attention."""
         x = self.self_attention_stage(
             x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
             self_attn_mask, self_attn_padding_mask,
@@ -186,7 +258,7 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         if self.encoder_attn is not None and encoder_out is not None:
             x, attn = self.cross_attention_stage(
                 x, encoder_out, encoder_padding_mask, incremental_state, prev_attn_state,
-                need_attn or need_head_weights, need_head_weights,
+                need_attn or need_head_weights, need_head_weights, extras,
             )
         return self.feed_forward_stage(x), attn, None
 
@@ -229,12 +301,22 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         return x if self.normalize_before else self.self_attn_layer_norm(x)
 
     def after_self_attention(self, x, extras: Dict[str, Tensor]):
-        """The step between self- and cross-attention: nothing in the Transformer."""
-        return x
+        """The step between self- and cross-attention: its slot's module, nothing in the
+        Transformer."""
+        if self.after_self_attention_name is None:
+            return x
+        return getattr(self, self.after_self_attention_name).after_self_attention(x, extras)
 
     def cross_attention_stage(self, x, encoder_out, encoder_padding_mask, incremental_state,
-                              prev_attn_state, need_attn: bool, need_head_weights: bool):
-        """Encoder-decoder attention sublayer: ``(x, attention weights)``."""
+                              prev_attn_state, need_attn: bool, need_head_weights: bool,
+                              extras: Dict[str, Tensor]):
+        """Encoder-decoder attention sublayer: ``(x, attention weights)``; the sublayer slot's
+        module, when it fills ``encoder_attn``, computes all of it."""
+        need_weights = need_attn or (not self.training and self.need_attn)
+        if self.encoder_attn_is_sublayer:
+            return self.encoder_attn.cross_attention_sublayer(
+                x, encoder_out, encoder_padding_mask, incremental_state, extras, need_weights, need_head_weights,
+            )
         residual = x
         if self.normalize_before:
             x = self.encoder_attn_layer_norm(x)
@@ -243,14 +325,15 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         x, attn = self.encoder_attn(
             query=x, key=encoder_out, value=encoder_out, key_padding_mask=encoder_padding_mask,
             incremental_state=incremental_state, static_kv=True,
-            need_weights=need_attn or (not self.training and self.need_attn),
-            need_head_weights=need_head_weights,
+            need_weights=need_weights, need_head_weights=need_head_weights,
         )
         x = self.residual_connection(self.dropout_module(x), residual)
         return (x if self.normalize_before else self.encoder_attn_layer_norm(x)), attn
 
     def feed_forward_stage(self, x):
-        """Position-wise feed-forward sublayer."""
+        """Position-wise feed-forward sublayer (its slot's module, or fairseq's)."""
+        if self.feed_forward_name is not None:
+            return getattr(self, self.feed_forward_name).feed_forward(x)
         residual = x
         if self.normalize_before:
             x = self.final_layer_norm(x)
@@ -383,9 +466,13 @@ class SlotTransformerEncoder(TransformerEncoderBase):
 
 
 class SlotTransformerDecoder(TransformerDecoderBase):
-    """fairseq's decoder plus the cross-attention memory and decoder output slots."""
+    """fairseq's decoder plus the cross-attention memory and decoder output slots.
+    ``layer_context``: keywords of the model for the fillers of its layers' stage slots (the
+    multi-source model's sources and combination options), never written into ``args``."""
 
-    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None,
+                 layer_context: Optional[Dict[str, Any]] = None):
+        self.layer_context = layer_context or {}  # read by build_decoder_layer inside super().__init__
         super().__init__(
             cfg,
             dictionary,
@@ -401,7 +488,7 @@ class SlotTransformerDecoder(TransformerDecoderBase):
         self.output_fusion = DECODER_OUTPUT.build(cfg, num_layers=self.num_layers)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        layer = SlotTransformerDecoderLayer(cfg, next_layer_index(self), no_encoder_attn)
+        layer = SlotTransformerDecoderLayer(cfg, next_layer_index(self), no_encoder_attn, **self.layer_context)
         return wrap_layer(layer, cfg)
 
     def _memory_key(self) -> str:
@@ -436,8 +523,8 @@ class SlotTransformerDecoder(TransformerDecoderBase):
         alignment_heads: Optional[int] = None,
         layer_extras: Optional[Dict[str, Tensor]] = None,
     ):
-        """fairseq's features; ``layer_extras`` (e.g. AIF's auxiliary features) reach every
-        layer's :meth:`~SlotTransformerDecoderLayer.after_self_attention` through its call."""
+        """fairseq's features; ``layer_extras`` (e.g. AIF's auxiliary features, the multi-source
+        memories) reach every layer's stages through its call."""
         memory = self.cross_attention_memory(encoder_out)
         if layer_extras:
             if memory is None or not memory[ENCODER_OUT]:

@@ -134,6 +134,38 @@ ENCODER_LAYER_INPUTS = Slot("encoder layer inputs")  # DLCL: what each encoder l
 DECODER_OUTPUT = Slot("decoder output")
 SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
 
+# The stages of the decoder layer (SlotTransformerDecoderLayer), exclusive, empty by default.
+# Their fillers are called with layer_idx, embed_dim and the decoder's layer context (keywords
+# of the model, e.g. the multi-source model's sources; a filler reads those it needs). A module
+# is called through the method named after its stage, so that its own forward keeps its meaning
+# (AIF's z^f, a combination of n memories), with the layer's per-call extras (LayerInput).
+# ``module.after_self_attention(x, extras) -> x``, between self- and cross-attention; the layer
+# keeps the module as its ``layer_attribute`` (e.g. AIF's ``aux_fusion``).
+DECODER_AFTER_SELF_ATTENTION = Slot("decoder after self-attention")
+# ``module.cross_attention_sublayer(x, encoder_out, encoder_padding_mask, incremental_state,
+# extras, need_weights, need_head_weights) -> (x, attn)``: the whole sublayer, residuals and
+# LayerNorms included. The layer keeps it as ``encoder_attn``, where fairseq's cross-attention
+# is, without ``encoder_attn_layer_norm``; filled together with the decoder cross-attention slot,
+# an error naming both.
+DECODER_CROSS_ATTENTION_SUBLAYER = Slot("decoder cross-attention sublayer")
+# ``module.feed_forward(x) -> x``: the whole sublayer in place of fairseq's (its fc1, fc2 and
+# LayerNorms are dropped); the layer keeps it as its ``layer_attribute``.
+DECODER_FEED_FORWARD = Slot("decoder feed-forward")
+
+
+def one_module(place: str, cfg, context, *fills: Tuple[Slot, Dict[str, nn.Module]]) -> Optional[nn.Module]:
+    """The one module among the exclusive slots of one ``place`` of a layer (the decoder
+    cross-attention and its whole sublayer), or None; ``fills``: ``(slot, slot.build_one(cfg,
+    **context))`` of each slot. Two mechanisms filling that place cannot be combined."""
+    claimed = [(slot, name, module) for slot, modules in fills for name, module in modules.items()]
+    if len(claimed) > 1:
+        raise UsageError(
+            f"the {place}{_where(context)} is claimed by several mechanisms "
+            f"({', '.join(slot.given_by(name, cfg) for slot, name, _ in claimed)}): choose one"
+        )
+    return claimed[0][2] if claimed else None
+
+
 def check_distinct_outputs(cfg, *fills: Tuple[Slot, Dict[str, nn.Module]]):
     """The encoder's modules declare the ``encoder_out`` entries they write (``output_keys``):
     the encoder memory modules, and a layer-inputs module that makes ``encoder_out`` itself

@@ -38,6 +38,16 @@ STRATEGIES = (SERIAL, PARALLEL, FLAT, HIERARCHICAL)  # [paper] the RI's STRATEGI
 MEMORY_KEY = "multi_source_memories"  # encoder_out entry: one S_k x B x C tensor per source
 
 
+def source_memory_extra(k: int) -> str:
+    """Name of source k's memory among the decoder layers' per-call extras."""
+    return f"source_memory_{k}"
+
+
+def source_mask_extra(k: int) -> str:
+    """Name of source k's padding mask among the decoder layers' per-call extras."""
+    return f"source_padding_mask_{k}"
+
+
 class InputCombination(nn.Module):
     """Base of the four strategies: per-source attentions, LayerNorms and dropout.
 
@@ -74,6 +84,18 @@ class InputCombination(nn.Module):
         self.layer_norms = nn.ModuleList(LayerNorm(embed_dim) for _ in range(self._num_layer_norms()))
         self.record_weights = False
         self.recorded: Dict[str, List[Tensor]] = {}
+
+    def cross_attention_sublayer(self, x, encoder_out, encoder_padding_mask, incremental_state,
+                                 extras: Dict[str, Tensor], need_weights: bool, need_head_weights: bool):
+        """The call of the decoder layer whose cross-attention sublayer this is: the n
+        memories and masks arrive as the layer's per-call extras, one tensor each (a list in
+        one argument would be a constant to fairseq's activation checkpointing); without
+        them, ``encoder_out`` and ``encoder_padding_mask`` are the lists."""
+        if source_memory_extra(0) in extras:
+            encoder_out = [extras[source_memory_extra(k)] for k in range(self.num_sources)]
+            encoder_padding_mask = [extras[source_mask_extra(k)] for k in range(self.num_sources)]
+        return self(x, encoder_out, encoder_padding_mask, incremental_state,
+                    need_weights=need_weights, need_head_weights=need_head_weights)
 
     def _num_attentions(self) -> int:
         return self.num_sources
