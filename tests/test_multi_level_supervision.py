@@ -644,10 +644,11 @@ def test_presets():
         (ms("1", "--zero-aif"), "--zero-aif needs --aux-fusion"),
         (ms("1", "--decode-from", "aux:2"), "choose one of main, aux:1"),
         (ms("1", "--decode-from", "aux"), "choose one of main, aux:1"),
-        (ms("1", "--no-cross-attention"), "^auxiliary decoders attend to encoder layers: they cannot be used with "
-                                          "--no-cross-attention$"),
-        (ms("1", "--adaptive-softmax-cutoff", "10"), "^auxiliary decoders share the output projection, which "
-                                                     "--adaptive-softmax-cutoff replaces: use a plain softmax$"),
+        (ms("1", "--no-cross-attention"), "^--aux-decoder-layers 1: auxiliary decoders attend to encoder layers: "
+                                          "they cannot be used with --no-cross-attention$"),
+        (ms("1", "--adaptive-softmax-cutoff", "10"), "^--aux-decoder-layers 1: auxiliary decoders share the output "
+                                                     "projection, which --adaptive-softmax-cutoff replaces: use a "
+                                                     "plain softmax$"),
         (ms("1", "--aux-fusion", "--decoder-output-dim", "8"),
          "^--aux-fusion needs --decoder-output-dim == --decoder-embed-dim$"),
     ],

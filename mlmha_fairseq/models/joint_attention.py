@@ -275,7 +275,7 @@ def build_transparent_cross_attention(cfg, layer_idx, embed_dim):
 
 
 @ENCODER_MEMORY.register(TAPS_KEY, given_by=lambda cfg: f"--decoder-cross-attention {MULTI_LAYER}")
-def build_collected_taps(cfg, num_layers):
+def build_collected_taps(cfg, num_layers, **encoder_context):
     if not _uses_multi_layer_attention(cfg):
         return None
     return CollectedTaps(COLLECTED_LAYERS.parsed(cfg).collector(cfg))
@@ -283,7 +283,7 @@ def build_collected_taps(cfg, num_layers):
 
 @ENCODER_MEMORY.register("layer_aggregation",
                          given_by=lambda cfg: f"--layer-aggregation {cfg.layer_aggregation}")
-def build_aggregated_memory(cfg, num_layers):
+def build_aggregated_memory(cfg, num_layers, **encoder_context):
     if not _aggregates(cfg):
         return None
     layers = COLLECTED_LAYERS.parsed(cfg)
@@ -297,7 +297,7 @@ def build_aggregated_memory(cfg, num_layers):
 
 
 @ENCODER_MEMORY.register("transparent_attention", given_by=lambda cfg: f"--layer-aggregation {TRANSPARENT}")
-def build_transparent_memories(cfg, num_layers):
+def build_transparent_memories(cfg, num_layers, **encoder_context):
     if cfg.layer_aggregation != TRANSPARENT:
         return None
     return TransparentMemories(num_layers + 1, cfg.decoder.layers)

@@ -27,7 +27,10 @@ Where the pieces live: the auxiliary decoders are submodules of the Main-Decoder
 (``decoder.aux_decoders.<i>``), so the Main-Decoder keeps fairseq's parameter names and a
 stripped MS-l checkpoint is a plain slot-Transformer state dict; their memories come from
 the encoder memory slot (``encoder_out["aux_memories"]``, collected also at generation time,
-where fairseq calls the encoder without ``return_all_hiddens``).
+where fairseq calls the encoder without ``return_all_hiddens``). The multi-source model takes
+the same options (off there by default): its Main-Decoder is this class with the input
+combination in its layers, and the auxiliary decoders read layers of the primary source's
+encoder ([choice], :mod:`.multi_source`).
 
 Readings [choice]: pre-norm encoder states below the top are not normalised in fairseq
 (only the top one passes the final LayerNorm), so in pre-norm each auxiliary memory
@@ -68,7 +71,7 @@ DECODE_FROM_AUX = re.compile(r"aux:(\d+)")
 _AIF = Switch("--aux-fusion", lambda args: bool(getattr(args, "aux_fusion", False)))
 
 
-def _has_aux_decoders(args) -> bool:
+def has_aux_decoders(args) -> bool:
     return str(getattr(args, "aux_decoder_layers", NO_AUX)).strip().lower() != NO_AUX
 
 
@@ -126,7 +129,7 @@ class SupervisionOptions:
 
 
 MULTI_LEVEL_SUPERVISION = register_mechanism(Mechanism(
-    "multi-level supervision", Switch("--aux-decoder-layers", _has_aux_decoders), (
+    "multi-level supervision", Switch("--aux-decoder-layers", has_aux_decoders), (
         Option("--aux-decoder-layers", "1", "attach an auxiliary decoder to each of these encoder "
                "layers (1-based, each < the number of encoder layers; 'none' for none), e.g. 1 "
                "(MS-1) or 1,2,3 (MS-123)", argparse=dict(metavar="L1,L2,..."), is_switch=True),
@@ -174,8 +177,10 @@ class AuxiliaryMemories(nn.Module):
 
 @ENCODER_MEMORY.register(AUX_MEMORIES,
                          given_by=lambda cfg: f"--aux-decoder-layers {cfg.aux_decoder_layers}")
-def build_aux_memories(cfg, num_layers):
-    if not _has_aux_decoders(cfg):
+def build_aux_memories(cfg, num_layers, reaches_decoder: bool = True):
+    """The auxiliary decoders' memories, in the one encoder whose entries the decoder reads (a
+    multi-source model's primary text encoder)."""
+    if not has_aux_decoders(cfg) or not reaches_decoder:
         return None
     layers = list(MULTI_LEVEL_SUPERVISION.parsed(cfg).aux_layers)
     return AuxiliaryMemories(layers, cfg.encoder.embed_dim, cfg.encoder.normalize_before)
@@ -217,8 +222,10 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
     runs the auxiliary decoders only for AIF, in lock-step with the Main-Decoder.
     """
 
-    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
-        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, **decoder_options):
+        """``decoder_options``: the slot decoder's (e.g. the multi-source model's
+        ``layer_context`` and ``encoder_extras``), for the Main-Decoder only."""
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn, **decoder_options)
         self.options = MULTI_LEVEL_SUPERVISION.parsed(cfg)
         self.aux_layers = list(self.options.aux_layers)
         self._check_compatible(no_encoder_attn)
@@ -232,11 +239,12 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
     def _check_compatible(self, no_encoder_attn: bool):
         if not self.aux_layers:
             return
+        option = f"--aux-decoder-layers {','.join(map(str, self.aux_layers))}"
         if no_encoder_attn:
-            raise UsageError("auxiliary decoders attend to encoder layers: they cannot be "
+            raise UsageError(f"{option}: auxiliary decoders attend to encoder layers: they cannot be "
                              "used with --no-cross-attention")
         if self.adaptive_softmax is not None:
-            raise UsageError("auxiliary decoders share the output projection, which "
+            raise UsageError(f"{option}: auxiliary decoders share the output projection, which "
                              "--adaptive-softmax-cutoff replaces: use a plain softmax")
         if self.options.fusion and self.output_embed_dim != self.embed_dim:
             raise UsageError("--aux-fusion needs --decoder-output-dim == --decoder-embed-dim")
@@ -257,7 +265,9 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
 
     def aux_encoder_out(self, encoder_out: Dict[str, List[Tensor]], index: int):
         """``encoder_out`` as auxiliary decoder ``index`` sees it: its encoder layer's
-        states in place of the top layer (same padding mask)."""
+        states in place of the top layer (same padding mask). In a multi-source model these
+        are the primary source's, whose entries ``encoder_out`` holds; the auxiliary decoders
+        read no other source."""
         if AUX_MEMORIES not in encoder_out:
             raise KeyError("the auxiliary decoders need encoder_out['aux_memories'], which "
                            "this encoder does not produce")

@@ -24,6 +24,14 @@ MLRF (``--mlrf-*``) on a multi-source model: every text encoder has its own fusi
 layer-embedding table; the decoder's fusion shares the table of the primary source's
 encoder (Wang et al. 2018, §3.2, share one table between "the" encoder and the decoder).
 
+Multi-level supervision and AIF (``--aux-decoder-layers L [--aux-fusion]``, off by default here;
+:mod:`.multi_level_supervision`): [choice] the auxiliary decoders attend to layer L of the
+primary source's text encoder (the thesis has one encoder; we read it as the primary source's),
+with its padding mask; only that encoder builds their memories (``encoder.encoders.<primary>
+.memories.aux_memories``; the task makes the primary source a text source). The Main-Decoder
+keeps the input combination over all sources. Train with
+``--criterion multi_decoder_label_smoothed_cross_entropy``.
+
 Embeddings ([paper] one matrix shared by the text encoders and the decoder, tied to the
 output layer): ``--share-all-embeddings`` (the presets' default); ``--share-encoder-embeddings``
 shares one matrix among the text encoders only; otherwise every encoder has its own.
@@ -78,6 +86,12 @@ from ..modules.input_combination import (
 )
 from ..errors import UsageError
 from ..source_kinds import IMAGE, TEXT, SourceLayout
+from .multi_level_supervision import (
+    MULTI_LEVEL_SUPERVISION,
+    NO_AUX,
+    MultiLevelSupervisionDecoder,
+    has_aux_decoders,
+)
 from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .presets import set_sizes
 from .slot_transformer import (
@@ -227,40 +241,17 @@ def build_combination_sublayer(cfg, layer_idx, embed_dim, sources: Optional[Sour
     )
 
 
-class MultiSourceDecoder(SlotTransformerDecoder):
-    """The slot decoder whose layers' cross-attention sublayer is an input combination
-    (:func:`build_combination_sublayer`); they receive all n memories and masks through
-    fairseq's own layer loop, as per-call extras."""
-
-    def __init__(self, cfg, dictionary, embed_tokens, combination: CombinationOptions,
-                 sources: SourceLayout):
-        super().__init__(cfg, dictionary, embed_tokens,
-                         layer_context=dict(sources=sources, combination=combination))
-
-    def extract_features(
-        self,
-        prev_output_tokens,
-        encoder_out: Optional[Dict[str, List[Tensor]]],
-        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-        full_context_alignment: bool = False,
-        alignment_layer: Optional[int] = None,
-        alignment_heads: Optional[int] = None,
-        layer_extras: Optional[Dict[str, Tensor]] = None,
-    ):
-        """The slot decoder's features, every layer given each source's memory and mask as
-        an extra of its own (a list in one argument would be a constant to fairseq's
-        checkpoint wrapper)."""
-        extras = dict(layer_extras or {})
-        if encoder_out is not None:
-            if MEMORY_KEY not in encoder_out:
-                raise KeyError("the multi-source decoder needs the multi-source encoder's output")
-            for k, (memory, mask) in enumerate(zip(encoder_out[MEMORY_KEY], encoder_out[MASKS_KEY])):
-                extras[source_memory_extra(k)] = memory
-                extras[source_mask_extra(k)] = mask
-        return super().extract_features(
-            prev_output_tokens, encoder_out, incremental_state, full_context_alignment,
-            alignment_layer, alignment_heads, layer_extras=extras,
-        )
+def source_extras(encoder_out: Dict[str, List[Tensor]]) -> Dict[str, Tensor]:
+    """The multi-source decoder's layer extras (``encoder_extras`` of its
+    :class:`SlotTransformerDecoder`): each source's memory and mask as an extra of its own (a
+    list in one argument would be a constant to fairseq's checkpoint wrapper)."""
+    if MEMORY_KEY not in encoder_out:
+        raise KeyError("the multi-source decoder needs the multi-source encoder's output")
+    extras = {}
+    for k, (memory, mask) in enumerate(zip(encoder_out[MEMORY_KEY], encoder_out[MASKS_KEY])):
+        extras[source_memory_extra(k)] = memory
+        extras[source_mask_extra(k)] = mask
+    return extras
 
 
 class MultiSourceHubInterface(hub_utils.GeneratorHubInterface):
@@ -294,6 +285,7 @@ class MultiSourceTransformerModel(SlotTransformerModel):
     def add_args(cls, parser):
         super().add_args(parser)
         INPUT_COMBINATION.add_args(parser)
+        MULTI_LEVEL_SUPERVISION.add_args(parser)
 
     @classmethod
     def complete_options(cls, args):
@@ -341,9 +333,12 @@ class MultiSourceTransformerModel(SlotTransformerModel):
                 continue
             tokens = primary_tokens if shared or k == sources.primary_index else cls.build_embedding(
                 cfg, dictionary, cfg.encoder.embed_dim, cfg.encoder.embed_path)
-            encoders.append(SlotTransformerEncoder(cfg, dictionary, tokens))
+            encoders.append(SlotTransformerEncoder(cfg, dictionary, tokens,
+                                                   reaches_decoder=k == sources.primary_index))
         encoder = MultiSourceEncoder(dictionary, encoders, sources)
-        decoder = MultiSourceDecoder(cfg, dictionary, decoder_tokens, combination, sources)
+        decoder_class = MultiLevelSupervisionDecoder if has_aux_decoders(args) else SlotTransformerDecoder
+        decoder = decoder_class(cfg, dictionary, decoder_tokens, encoder_extras=source_extras,
+                                layer_context=dict(sources=sources, combination=combination))
         return cls(args, encoder, decoder)
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
@@ -387,8 +382,11 @@ def combination_modules(model) -> List[InputCombination]:
 
 @register_architecture("multi_source_transformer", "multi_source_transformer")
 def multi_source_transformer(args):
-    """fairseq's ``transformer`` defaults, serial combination (the best MSMT strategy)."""
+    """fairseq's ``transformer`` defaults, serial combination (the best MSMT strategy), no
+    auxiliary decoders."""
     INPUT_COMBINATION.set_defaults(args)
+    args.aux_decoder_layers = getattr(args, "aux_decoder_layers", NO_AUX)
+    MULTI_LEVEL_SUPERVISION.set_defaults(args)
     slot_transformer(args)
 
 

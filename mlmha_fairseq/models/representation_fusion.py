@@ -240,7 +240,7 @@ def _build_layer_fusion(wrapper, cfg, side: str, num_layers: int) -> Optional[La
 
 @ENCODER_MEMORY.register(MLRF_FUSION,
                          given_by=lambda cfg: f"--mlrf-encoder-fusion {cfg.mlrf_encoder_fusion}")
-def build_fused_encoder_memory(cfg, num_layers):
+def build_fused_encoder_memory(cfg, num_layers, **encoder_context):
     return _build_layer_fusion(FusedEncoderMemory, cfg, ENCODER, num_layers)
 
 

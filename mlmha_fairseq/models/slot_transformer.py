@@ -28,7 +28,7 @@ Every slot model is built by :meth:`SlotTransformerModel.build_model`; see
 ``docs/architecture.md``.
 """
 import logging
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -358,12 +358,16 @@ def _saved_state(prev_state: List[Tensor]) -> Dict[str, Optional[Tensor]]:
 class SlotTransformerEncoder(TransformerEncoderBase):
     """fairseq's encoder plus the encoder memory slot (see the module docstring)."""
 
-    def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
+    def __init__(self, cfg, dictionary, embed_tokens, return_fc=False, reaches_decoder: bool = True):
+        """``reaches_decoder``: whether the decoder reads this encoder's memory entries (False
+        for a multi-source model's secondary encoders, of which only the top layer and mask
+        are read), handed to the memory fillers."""
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
         if safe_getattr(cfg, "encoder_no_token_positional_embeddings", False):  # ENCODER_POSITIONS
             # dropped before any checkpoint is loaded, so none are expected
             self.embed_positions = None
-        self.memories = nn.ModuleDict(ENCODER_MEMORY.build_all(cfg, num_layers=self.num_layers))
+        self.memories = nn.ModuleDict(
+            ENCODER_MEMORY.build_all(cfg, num_layers=self.num_layers, reaches_decoder=reaches_decoder))
         layer_inputs = ENCODER_LAYER_INPUTS.build_one(cfg, num_layers=self.num_layers)
         self.layer_inputs = next(iter(layer_inputs.values()), None)
         check_distinct_outputs(cfg, (ENCODER_MEMORY, self.memories), (ENCODER_LAYER_INPUTS, layer_inputs))
@@ -468,11 +472,16 @@ class SlotTransformerEncoder(TransformerEncoderBase):
 class SlotTransformerDecoder(TransformerDecoderBase):
     """fairseq's decoder plus the cross-attention memory and decoder output slots.
     ``layer_context``: keywords of the model for the fillers of its layers' stage slots (the
-    multi-source model's sources and combination options), never written into ``args``."""
+    multi-source model's sources and combination options), never written into ``args``.
+    ``encoder_extras``: a function of ``encoder_out`` giving per-call extras of every layer
+    (the multi-source model's per-source memories and masks), merged with the decoder's own
+    ``layer_extras``."""
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None,
-                 layer_context: Optional[Dict[str, Any]] = None):
+                 layer_context: Optional[Dict[str, Any]] = None,
+                 encoder_extras: Optional[Callable[[Dict[str, List[Tensor]]], Dict[str, Tensor]]] = None):
         self.layer_context = layer_context or {}  # read by build_decoder_layer inside super().__init__
+        self.encoder_extras = encoder_extras
         super().__init__(
             cfg,
             dictionary,
@@ -523,8 +532,11 @@ class SlotTransformerDecoder(TransformerDecoderBase):
         alignment_heads: Optional[int] = None,
         layer_extras: Optional[Dict[str, Tensor]] = None,
     ):
-        """fairseq's features; ``layer_extras`` (e.g. AIF's auxiliary features, the multi-source
-        memories) reach every layer's stages through its call."""
+        """fairseq's features; ``layer_extras`` (e.g. AIF's auxiliary features) and the
+        ``encoder_extras`` of ``encoder_out`` (e.g. the multi-source memories) reach every
+        layer's stages through its call."""
+        if self.encoder_extras is not None and encoder_out is not None:
+            layer_extras = {**self.encoder_extras(encoder_out), **(layer_extras or {})}
         memory = self.cross_attention_memory(encoder_out)
         if layer_extras:
             if memory is None or not memory[ENCODER_OUT]:

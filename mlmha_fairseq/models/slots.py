@@ -129,7 +129,10 @@ def _where(context) -> str:
 ENCODER_SELF_ATTENTION = Slot("encoder self-attention", "--encoder-self-attention")
 DECODER_SELF_ATTENTION = Slot("decoder self-attention")  # DC claims it (--dc-decoder-layers); none selects it
 DECODER_CROSS_ATTENTION = Slot("decoder cross-attention", "--decoder-cross-attention")
-ENCODER_MEMORY = Slot("encoder memory")  # not exclusive: read with build_all, never build
+# Not exclusive: read with build_all, never build. Its fillers are called with num_layers and
+# reaches_decoder (False for a multi-source model's secondary encoders, whose entries other
+# than the top layer and its mask the decoder never reads).
+ENCODER_MEMORY = Slot("encoder memory")
 ENCODER_LAYER_INPUTS = Slot("encoder layer inputs")  # DLCL: what each encoder layer reads
 DECODER_OUTPUT = Slot("decoder output")
 SELECTABLE_SLOTS = (ENCODER_SELF_ATTENTION, DECODER_CROSS_ATTENTION)
