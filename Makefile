@@ -8,6 +8,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mlmha-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers, whole test files to each (module fixtures built once): the suite is
+# mostly single-threaded fairseq processes, so two workers on two cores halve its time
+PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 MUTANTS ?=
 EXPERIMENT ?= examples/experiment/demo.toml
@@ -22,7 +25,7 @@ $(STAMP): scripts/setup_venv.sh requirements.txt pyproject.toml setup.py
 	@touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m mlmha_fairseq.cli.demo $(DEMO_ARGS)
