@@ -45,6 +45,10 @@ def test_the_report_finds_each_seeds_best_and_stop_and_compares_at_the_last_comm
     assert "Validation BLEU at update 400" in text and "| MLMHA M-00 | 4.50 ± 0.71 | 2 |" in text
     assert (tmp_path / "results-curves.png").stat().st_size > 0
     assert json.loads((tmp_path / "results-curves.json").read_text())["matched_update"] == 400
+    one_seed = grid.Grid([baseline], [1], grid.Settings("bin", "en", 1000), str(tmp_path / "one"))
+    write_log(one_seed.runs[0], logs[("Transformer (fairseq)", 1)])
+    one = curves.write_curve_report(one_seed, str(tmp_path / "one-curves"))
+    assert "| Transformer (fairseq) | 1.50 | 1 |" in one  # no sd of one seed
 
 
 def test_a_run_without_validations_yet_has_no_curve(tmp_path):

@@ -183,7 +183,8 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
                            comet_note)
 
 
-def _mean_sd_text(values: Sequence[Optional[float]], plus_minus: str = " ± ") -> str:
+def mean_sd_text(values: Sequence[Optional[float]], plus_minus: str = " ± ") -> str:
+    """``mean ± sd`` with two decimals; the mean alone for one value (no sd of one seed)."""
     if not values or any(value is None for value in values):
         return UNAVAILABLE
     mean, sd = mean_sd(values)
@@ -193,16 +194,16 @@ def _mean_sd_text(values: Sequence[Optional[float]], plus_minus: str = " ± ") -
 def _cells(report: ReplicateReport, row: SystemRow, plus_minus: str, extra_titles: Sequence[str],
            missing: str) -> List[str]:
     baseline = report.rows[0]
-    bleu = _mean_sd_text(row.scores["BLEU"], plus_minus)
+    bleu = mean_sd_text(row.scores["BLEU"], plus_minus)
     is_baseline = row is baseline
     mark = "" if is_baseline or row.ar_p_value is None else significance_mark(row.ar_p_value)
     delta = "" if is_baseline else f"{row.summary('BLEU')[0] - baseline.summary('BLEU')[0]:+.2f}"
     p_ar = "" if is_baseline or row.ar_p_value is None else f"{row.ar_p_value:.3f}"
     p_bs = "" if is_baseline else ", ".join(f"{row.bootstrap_p_values[s]:.3f}" for s in row.ar_seeds)
     cells = [row.name, bleu + mark, delta, f"{row.s_sel:.2f}", p_ar, p_bs,
-             *(_mean_sd_text(row.scores[metric], plus_minus) for metric in METRICS if metric != "BLEU"),
+             *(mean_sd_text(row.scores[metric], plus_minus) for metric in METRICS if metric != "BLEU"),
              ", ".join(f"{score:.2f}" for score in row.scores["BLEU"]), ", ".join(str(s) for s in row.seeds)]
-    cells += [_mean_sd_text(row.extra[title], plus_minus) if title in row.extra else missing for title in extra_titles]
+    cells += [mean_sd_text(row.extra[title], plus_minus) if title in row.extra else missing for title in extra_titles]
     return cells
 
 

@@ -7,10 +7,10 @@ where the final checkpoints of runs that stopped at different updates do not: it
 last validation that every run of the grid reached and reports each system's mean ± sd of
 validation BLEU there.
 """
-import statistics
 from typing import Dict, List, Optional, Tuple
 
 from mlmha_fairseq.evaluation.plotting import plot_learning_curves
+from mlmha_fairseq.evaluation.replicates import mean_sd_text
 from mlmha_fairseq.evaluation.text_io import InputError, write_json, write_text
 from mlmha_fairseq.evaluation.training_curves import read_log_curves
 from mlmha_fairseq.experiments.grid import Grid, Run, last_update
@@ -29,11 +29,6 @@ def run_curves(run: Run) -> Dict[str, Curve]:
         except InputError:  # no log yet, or no validation logged yet
             curves[stat] = []
     return curves
-
-
-def _mean_sd(values: List[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.2f} ± {sd:.2f}"
 
 
 def matched_update(curves: Dict[str, Dict[int, Dict[str, Curve]]]) -> Optional[float]:
@@ -83,7 +78,7 @@ def write_curve_report(grid: Grid, prefix: str) -> str:
     if report["matched_update"] is not None:
         lines += ["", f"Validation BLEU at update {report['matched_update']:.0f}, the last that every run reached "
                       "(mean ± sd over seeds):", "", "| system | validation BLEU | seeds |", "|---|---|---|"]
-        lines += [f"| {name} | {_mean_sd(values)} | {len(values)} |" for name, values in report["matched_bleu"].items()]
+        lines += [f"| {name} | {mean_sd_text(values)} | {len(values)} |" for name, values in report["matched_bleu"].items()]
     text = "\n".join(lines) + "\n"
     write_text(prefix + ".md", text)
     write_json(prefix + ".json", {key: report[key] for key in ("seeds", "matched_update", "matched_bleu", "curves")})
