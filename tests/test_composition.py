@@ -18,12 +18,12 @@ from test_multi_source import (
     DECODER_LAYERS,
     KINDS,
     assert_generates_the_test_set,
+    assert_multi_source_incremental_matches_full,
     build_multi_source,
     forward,
     multi_source_batch,
     n_way_bin,  # noqa: F401 (the module-scoped fixture of the corpus)
     num_params,
-    reordered,
     task_options,
 )
 
@@ -33,29 +33,6 @@ CRITERION = ["--criterion", "multi_decoder_label_smoothed_cross_entropy", "--lab
 
 def aux(layers="1", *extra):
     return ["--aux-decoder-layers", layers, *extra]
-
-
-def assert_multi_source_incremental_matches_full(model, task):
-    """Step-by-step decoding with fairseq's incremental state equals the teacher-forced forward
-    pass, also after a beam-search reordering (rows repeated, dropped, permuted) of every
-    source, the auxiliary memories and the auxiliary decoders' caches."""
-    model.eval()
-    inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
-    order, reorder_step = torch.tensor([2, 0, 0, 3, 1]), 2
-    with torch.no_grad():
-        before = forward(model, inputs, lengths, prev)[0]
-        after = forward(model, reordered(inputs, order), reordered(lengths, order), prev[order])[0]
-        encoder_out = model.encoder(inputs[0], lengths[0], multi_source_inputs=inputs,
-                                    multi_source_lengths=lengths)
-        state, rows = {}, prev
-        for step in range(prev.size(1)):
-            if step == reorder_step:
-                encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
-                model.decoder.reorder_incremental_state_scripting(state, order)
-                rows = prev[order]
-            out = model.decoder(rows[:, : step + 1], encoder_out=encoder_out, incremental_state=state)[0]
-            expected = (after if step >= reorder_step else before)[:, step : step + 1]
-            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=f"step {step}")
 
 
 # --- multi-level supervision and AIF on the multi-source model ------------------------------

@@ -343,14 +343,10 @@ def test_hierarchical_second_level_drops_weights_at_the_general_rate():
 KINDS = {"text": (["a", "b", "c"], ()), "text+image": (["a", "img"], ("img",))}
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("sources", KINDS, ids=list(KINDS))
-@NORMS
-def test_incremental_decoding_matches_full_forward_with_beam_reordering(strategy, sources, norm):
-    """Step-by-step decoding with fairseq's incremental state equals the teacher-forced
-    forward pass, also after a beam-search reordering (rows repeated, dropped, permuted)."""
-    names, images = KINDS[sources]
-    model, task = build_multi_source(names, "--combination-strategy", strategy, *norm, image_sources=images)
+def assert_multi_source_incremental_matches_full(model, task):
+    """Step-by-step decoding with fairseq's incremental state equals the teacher-forced forward
+    pass, also after a beam-search reordering (rows repeated, dropped, permuted) of every source
+    and every cache (with multi-level supervision: the auxiliary memories and decoders' too)."""
     model.eval()
     inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
     order, reorder_step = torch.tensor([2, 0, 0, 3, 1]), 2
@@ -368,6 +364,15 @@ def test_incremental_decoding_matches_full_forward_with_beam_reordering(strategy
             out = model.decoder(rows[:, : step + 1], encoder_out=encoder_out, incremental_state=state)[0]
             expected = (after if step >= reorder_step else before)[:, step : step + 1]
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("sources", KINDS, ids=list(KINDS))
+@NORMS
+def test_incremental_decoding_matches_full_forward_with_beam_reordering(strategy, sources, norm):
+    names, images = KINDS[sources]
+    model, task = build_multi_source(names, "--combination-strategy", strategy, *norm, image_sources=images)
+    assert_multi_source_incremental_matches_full(model, task)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
