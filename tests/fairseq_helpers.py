@@ -3,6 +3,7 @@ built in Python from fairseq's own argument parser."""
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,12 +47,21 @@ def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, mo
     """Run ``fairseq-<tool>`` (as ``python -m fairseq_cli.<tool>``, or ``module`` that stands
     in for it) and return the result.
 
-    One intra-op thread: tiny models gain nothing from more, and test processes share cores."""
-    result = subprocess.run(
-        [sys.executable, "-m", module or f"fairseq_cli.{tool}", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, input=input,
-        env={"OMP_NUM_THREADS": "1", **(env or os.environ)},
-    )
+    One intra-op thread: tiny models gain nothing from more, and test processes share cores.
+
+    A process that aborts at interpreter exit with C++'s "terminate called without an active
+    exception" (SIGABRT, seen once in about a thousand fairseq-train runs of the suite, after the
+    training's last log line; not reproduced alone) is run once more, so that this teardown crash
+    outside the package does not fail a whole test module; a second abort fails as any error."""
+    for _attempt in range(2):
+        result = subprocess.run(
+            [sys.executable, "-m", module or f"fairseq_cli.{tool}", *map(str, args)],
+            capture_output=True, text=True, cwd=cwd, input=input,
+            env={"OMP_NUM_THREADS": "1", **(env or os.environ)},
+        )
+        if not (result.returncode == -signal.SIGABRT
+                and result.stderr.rstrip().endswith("terminate called without an active exception")):
+            break
     if check and result.returncode != 0:
         raise AssertionError(f"fairseq-{tool} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result
