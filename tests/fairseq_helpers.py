@@ -50,9 +50,9 @@ def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, mo
     One intra-op thread: tiny models gain nothing from more, and test processes share cores.
 
     A process that aborts at interpreter exit with C++'s "terminate called without an active
-    exception" (SIGABRT, seen once in about a thousand fairseq-train runs of the suite, after the
-    training's last log line; not reproduced alone) is run once more, so that this teardown crash
-    outside the package does not fail a whole test module; a second abort fails as any error."""
+    exception" (SIGABRT; seen once, in a module fixture's fairseq-train during a clean-clone run
+    of the suite, after the training's last log line; cause not found) is run once more, so that
+    this teardown crash does not fail a whole test module; a second abort fails as any error."""
     for _attempt in range(2):
         result = subprocess.run(
             [sys.executable, "-m", module or f"fairseq_cli.{tool}", *map(str, args)],
