@@ -153,6 +153,17 @@ def test_a_run_folder_in_use_fails_that_run_alone(tmp_path, corpus):
         (run, f"run folder {run.directory}")]
 
 
+def test_a_failure_raised_while_handling_another_names_both(tmp_path):
+    """fairseq-train's answer to "Minimum loss scale reached" is a rerun of the step under its
+    NanDetector, which can fail in turn: the one-line reason names the first error too."""
+    script = ("try:\n    raise FloatingPointError('Minimum loss scale reached (0.0001).')\n"
+              "except FloatingPointError:\n    next(iter([]))\n")
+    with pytest.raises(grid.RunFailed) as failed:
+        grid.run_command([sys.executable, "-c", script], str(tmp_path / "logs" / "train.log"), str(tmp_path))
+    assert str(failed.value).splitlines()[0] == (
+        f"{sys.executable} failed (1): StopIteration (while handling FloatingPointError: Minimum loss scale reached (0.0001).)")
+
+
 BAD_CONFIGS = {
     'max_update = "twenty"': "max_update must be a positive integer, got 'twenty'",
     "max_update = 0": "max_update must be a positive integer, got 0",
@@ -260,7 +271,13 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     setting but the systems, so their runs are the same runs."""
     demo = load_config(os.path.join(EXAMPLES, "demo.toml"))
     loaded = load_config(os.path.join(EXAMPLES, config))
-    assert loaded.systems[0].name == "Transformer (fairseq)" and loaded.seeds == [1, 2, 3]
+    assert loaded.systems[0].name == "Transformer (fairseq)"
+    if "model_args" in loaded.settings:  # another model shape (gpu-base.toml): its own corpus and folder
+        assert loaded.settings["model_args"] != demo.settings.get("model_args")
+        assert [other for other in os.listdir(EXAMPLES) if other != config and load_config(
+            os.path.join(EXAMPLES, other)).work_dir == loaded.work_dir] == []
+        return
+    assert loaded.seeds == [1, 2, 3]
     assert {key: value for key, value in loaded.corpus.items() if key != "dir"} == demo.corpus
     for key in ("max_tokens", "beam"):
         assert loaded.settings[key] == demo.settings[key], key

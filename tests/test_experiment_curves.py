@@ -36,12 +36,12 @@ def test_the_report_finds_each_seeds_best_and_stop_and_compares_at_the_last_comm
     assert report["matched_update"] == 400  # the last validation every run reached
     assert report["matched_bleu"] == {"Transformer (fairseq)": [2.0, 2.6], "MLMHA M-00": [5.0, 4.0]}
     assert report["seeds"]["Transformer (fairseq)"][2] == {
-        "stopped_at": 800, "finished": False, "best_bleu": 3.0, "best_update": 600, "validations": 4}
+        "stopped_at": 800, "stopped_by": curves.NOT_STOPPED, "finished": False, "best_bleu": 3.0, "best_update": 600, "validations": 4}
     assert report["seeds"]["MLMHA M-00"][2]["best_update"] == 400
     assert report["curves"]["MLMHA M-00"][1]["loss"] == [(200, 6.5), (400, 5.5)]
 
     text = curves.write_curve_report(runs, str(tmp_path / "results-curves"))
-    assert "| Transformer (fairseq) | 2 | 800 | no | 3.00 | 600 | 4 |" in text
+    assert f"| Transformer (fairseq) | 2 | 800 | {curves.NOT_STOPPED} | no | 3.00 | 600 | 4 |" in text
     assert "Validation BLEU at update 400" in text and "| MLMHA M-00 | 4.50 ± 0.71 | 2 |" in text
     assert (tmp_path / "results-curves.png").stat().st_size > 0
     assert json.loads((tmp_path / "results-curves.json").read_text())["matched_update"] == 400
@@ -49,6 +49,27 @@ def test_the_report_finds_each_seeds_best_and_stop_and_compares_at_the_last_comm
     write_log(one_seed.runs[0], logs[("Transformer (fairseq)", 1)])
     one = curves.write_curve_report(one_seed, str(tmp_path / "one-curves"))
     assert "| Transformer (fairseq) | 1.50 | 1 |" in one  # no sd of one seed
+
+
+STOP_LINES = {
+    "patience": "| INFO | fairseq_cli.train | early stop since valid performance hasn't improved for last 5 runs",
+    "time limit (--stop-time-hours)": "| INFO | fairseq_cli.train | Stopping training due to cumulative_training_time: "
+                                      "0.34 > stop_time_hours: 0.33 hour(s)",
+    "failed: StopIteration (while handling FloatingPointError: Minimum loss scale reached (0.0001).)": (
+        "Traceback (most recent call last):\n  File x\nFloatingPointError: Minimum loss scale reached (0.0001).\n\n"
+        "During handling of the above exception, another exception occurred:\n\n"
+        "Traceback (most recent call last):\n  File y\nStopIteration"),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(STOP_LINES))
+def test_the_report_says_why_each_run_stopped_its_last_attempt_counting(tmp_path, reason):
+    runs = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 1000), str(tmp_path))
+    run = runs.runs[0]
+    write_log(run, [(200, 1.0, 7.0)])
+    with open(run.path("logs", "train.log"), "a") as log:  # a resumed run: the earlier attempt's stop first
+        log.write("Stopping training due to num_updates: 200 >= max_update: 200\n" + STOP_LINES[reason] + "\n")
+    assert curves.curve_report(runs)["seeds"]["Transformer (fairseq)"][1]["stopped_by"] == reason
 
 
 def test_a_run_without_validations_yet_has_no_curve(tmp_path):
@@ -78,7 +99,7 @@ def test_a_run_stops_once_validation_bleu_has_not_improved_for_patience_evaluati
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
     # fairseq's --patience: the run ends at the P-th validation after its best, before the cap
-    assert seed["stopped_at"] == seed["best_update"] + 2 * 4 < 80
+    assert seed["stopped_at"] == seed["best_update"] + 2 * 4 < 80 and seed["stopped_by"] == "patience"
     assert seed["validations"] == seed["stopped_at"] // 4
     assert (work / "results-curves.png").stat().st_size > 0
     scores = json.loads((work / "runs" / "transformer--fairseq" / "seed1" / "scores.json").read_text())

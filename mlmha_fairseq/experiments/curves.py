@@ -13,10 +13,31 @@ from mlmha_fairseq.evaluation.plotting import plot_learning_curves
 from mlmha_fairseq.evaluation.replicates import mean_sd_text
 from mlmha_fairseq.evaluation.text_io import InputError, write_json, write_text
 from mlmha_fairseq.evaluation.training_curves import read_log_curves
-from mlmha_fairseq.experiments.grid import Grid, Run, last_update
+from mlmha_fairseq.experiments.grid import Grid, Run, failure_line, last_update
 
 STATS = (("bleu", "validation BLEU"), ("loss", "validation loss"))
 Curve = List[Tuple[float, float]]
+# fairseq-train's own log lines for why it stopped; a resumed run's log holds its attempts in
+# order, so the last one found is the run's
+STOPS = (("early stop since valid performance hasn't improved", "patience"),
+         ("Stopping training due to num_updates", "max_update"),
+         ("Stopping training due to cumulative_training_time", "time limit (--stop-time-hours)"),
+         ("Traceback (most recent call last)", "failed"))
+NOT_STOPPED = "not stopped (training, or killed)"
+
+
+def stop_reason(log_path: str) -> str:
+    """Why a run's fairseq-train stopped: ``patience``, ``max_update``, the time limit, or
+    ``failed: <error>``; :data:`NOT_STOPPED` when its log records no stop."""
+    try:
+        with open(log_path, errors="replace") as log:
+            text = log.read()
+    except OSError:
+        return NOT_STOPPED
+    found = max(((text.rfind(marker), reason) for marker, reason in STOPS), default=(-1, ""))
+    if found[0] < 0:
+        return NOT_STOPPED
+    return f"failed: {failure_line(text)}" if found[1] == "failed" else found[1]
 
 
 def run_curves(run: Run) -> Dict[str, Curve]:
@@ -55,8 +76,9 @@ def curve_report(grid: Grid) -> Dict:
         for seed, run_curve in runs.items():
             best_update, best = max(run_curve["bleu"], key=lambda point: (point[1], -point[0]))
             run = next(r for r in grid.runs if r.system.name == name and r.seed == seed)
-            seeds[name][seed] = {"stopped_at": last_update(run.path("logs", "train.log")), "finished": run.finished,
-                                 "best_bleu": best, "best_update": best_update, "validations": len(run_curve["bleu"])}
+            log = run.path("logs", "train.log")
+            seeds[name][seed] = {"stopped_at": last_update(log), "stopped_by": stop_reason(log),
+                                 "finished": run.finished, "best_bleu": best, "best_update": best_update, "validations": len(run_curve["bleu"])}
     update = matched_update(curves)
     matched = {name: [dict(run["bleu"])[update] for run in runs.values()] for name, runs in curves.items()
                } if update is not None else {}
@@ -69,11 +91,12 @@ def write_curve_report(grid: Grid, prefix: str) -> str:
     if not report["curves"]:
         return ""
     plot_learning_curves(report["curves"], STATS, prefix + ".png")
-    lines = ["| system | seed | stopped at update | finished | best validation BLEU | at update | validations |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| system | seed | stopped at update | stopped by | finished | best validation BLEU | at update | validations |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, seeds in report["seeds"].items():
         for seed, row in sorted(seeds.items()):
-            lines.append(f"| {name} | {seed} | {row['stopped_at']} | {'yes' if row['finished'] else 'no'} | "
+            lines.append(f"| {name} | {seed} | {row['stopped_at']} | {row['stopped_by']} | "
+                         f"{'yes' if row['finished'] else 'no'} | "
                          f"{row['best_bleu']:.2f} | {row['best_update']:.0f} | {row['validations']} |")
     if report["matched_update"] is not None:
         lines += ["", f"Validation BLEU at update {report['matched_update']:.0f}, the last that every run reached "

@@ -69,6 +69,22 @@ def _end_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+CHAINED = "During handling of the above exception, another exception occurred:"
+
+
+def failure_line(log_text: str) -> str:
+    """The last line of a failed command's log (e.g. fairseq's one-line error), and, when that
+    error was raised while handling another, the first error too: fairseq-train answers a
+    ``FloatingPointError`` ("Minimum loss scale reached") by rerunning the step under its
+    ``NanDetector``, whose backward hooks raise ``StopIteration`` on modules that return
+    dictionaries (fairseq's own encoder included), which would hide the cause."""
+    last = (log_text.strip().splitlines() or ["(empty log)"])[-1]
+    if CHAINED not in log_text:
+        return last
+    first_error = (log_text.split(CHAINED)[0].strip().splitlines() or [""])[-1]
+    return f"{last} (while handling {first_error})"
+
+
 def run_command(command: List[str], log_path: str, work_dir: str,
                 on_poll: Optional[Callable[[], None]] = None, env: Optional[Dict[str, str]] = None) -> None:
     """Run ``command`` (``env``: added to its environment) with its output into ``log_path``,
@@ -95,10 +111,10 @@ def run_command(command: List[str], log_path: str, work_dir: str,
                     on_poll()
     if returncode != 0:
         with open(log_path, errors="replace") as log:
-            tail = log.read()[-2000:]
-        last = (tail.strip().splitlines() or ["(empty log)"])[-1]
+            text = log.read()
         tool = command[2] if command[1:2] == ["-m"] else command[0]
-        raise RunFailed(f"{tool} failed ({returncode}): {last}\n$ {line}\n{tail}\n(full log: {log_path})")
+        raise RunFailed(f"{tool} failed ({returncode}): {failure_line(text)}\n$ {line}\n{text[-2000:]}\n"
+                        f"(full log: {log_path})")
     logger.info("  done in %.0f s", time.time() - start)
 
 
