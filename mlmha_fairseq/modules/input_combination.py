@@ -57,10 +57,10 @@ class InputCombination(nn.Module):
     ``attn`` is the attention over the primary source (``primary_index``: what fairseq's
     alignment output reports), in
     fairseq's layout (``B x T x S`` averaged over heads, ``H x B x T x S`` with
-    ``need_head_weights``). With ``record_weights`` set, every call also stores the
-    head-averaged weights over each source (``recorded["sources"]``: n tensors ``B x T x
-    S_k``) and, for the hierarchical strategy, the second-level weights
-    (``recorded["contexts"]``: ``B x T x n``), for the attention dumps.
+    ``need_head_weights``). The weights over the other sources and the hierarchical
+    second-level weights are not returned: the attention dumps record them with forward hooks
+    on ``attentions`` and ``hier_attention``
+    (:func:`mlmha_fairseq.evaluation.multi_source_attention.record`).
     """
 
     memory_key = MEMORY_KEY
@@ -82,8 +82,6 @@ class InputCombination(nn.Module):
             for _ in range(self._num_attentions())
         )
         self.layer_norms = nn.ModuleList(LayerNorm(embed_dim) for _ in range(self._num_layer_norms()))
-        self.record_weights = False
-        self.recorded: Dict[str, List[Tensor]] = {}
 
     def cross_attention_sublayer(self, x, encoder_out, encoder_padding_mask, incremental_state,
                                  extras: Dict[str, Tensor], need_weights: bool, need_head_weights: bool):
@@ -118,19 +116,6 @@ class InputCombination(nn.Module):
             need_weights=need_weights, need_head_weights=need_head_weights,
         )
 
-    def _wants_weights(self, need_weights: bool) -> bool:
-        return need_weights or self.record_weights
-
-    def _record(self, weights: List[Optional[Tensor]], need_head_weights: bool,
-                contexts: Optional[Tensor] = None) -> None:
-        """Store head-averaged ``B x T x S_k`` weights (and ``B x T x n``) when asked."""
-        if not self.record_weights:
-            return
-        average = (lambda w: w.mean(dim=0)) if need_head_weights else (lambda w: w)
-        self.recorded = {"sources": [average(w).detach() for w in weights]}
-        if contexts is not None:
-            self.recorded["contexts"] = contexts.detach()
-
     def _pre(self, x: Tensor, norm: int = 0) -> Tensor:
         return self.layer_norms[norm](x) if self.normalize_before else x
 
@@ -153,10 +138,9 @@ class SerialCombination(InputCombination):
         weights = []
         for k, (memory, mask) in enumerate(zip(memories, padding_masks)):
             context, w = self._attend(k, self._pre(x, k), memory, mask, incremental_state,
-                                      self._wants_weights(need_weights), need_head_weights)
+                                      need_weights, need_head_weights)
             x = self._post(x + self.dropout_module(context), k)  # T x B x C
             weights.append(w)
-        self._record(weights, need_head_weights)
         return x, weights[self.primary_index]
 
 
@@ -173,10 +157,9 @@ class ParallelCombination(InputCombination):
         total, weights = x, []
         for k, (memory, mask) in enumerate(zip(memories, padding_masks)):
             context, w = self._attend(k, query, memory, mask, incremental_state,
-                                      self._wants_weights(need_weights), need_head_weights)
+                                      need_weights, need_head_weights)
             total = total + self.dropout_module(context)  # T x B x C
             weights.append(w)
-        self._record(weights, need_head_weights)
         return self._post(total), weights[self.primary_index]
 
 
@@ -197,9 +180,8 @@ class FlatCombination(InputCombination):
         memory = torch.cat(memories, dim=0)  # (S_1 + ... + S_n) x B x C
         mask = torch.cat([_mask_or_zeros(m, e) for m, e in zip(padding_masks, memories)], dim=1)
         context, w = self._attend(0, self._pre(x), memory, mask, incremental_state,
-                                  self._wants_weights(need_weights), need_head_weights)
+                                  need_weights, need_head_weights)
         per_source = None if w is None else list(w.split([e.size(0) for e in memories], dim=-1))
-        self._record(per_source, need_head_weights)
         u = self._post(x + self.dropout_module(context))
         return u, None if per_source is None else per_source[self.primary_index]
 
@@ -228,18 +210,16 @@ class HierarchicalCombination(InputCombination):
         contexts, weights = [], []
         for k, (memory, mask) in enumerate(zip(memories, padding_masks)):
             context, w = self._attend(k, query, memory, mask, incremental_state,
-                                      self._wants_weights(need_weights), need_head_weights)
+                                      need_weights, need_head_weights)
             contexts.append(self.dropout_module(context))
             weights.append(w)
         # per position (Eq. 7, RI's reshape to [B*T, n, d]): query 1 x (T*B) x C over the
         # n x (T*B) x C contexts of the same position; no incremental state (the keys change at every step)
         stacked = torch.stack(contexts).view(self.num_sources, tgt_len * bsz, dim)
-        combined, level = self.hier_attention(
+        combined, _ = self.hier_attention(
             query=query.reshape(1, tgt_len * bsz, dim), key=stacked, value=stacked,
-            need_weights=self.record_weights,
+            need_weights=False,
         )
-        levels = None if level is None else level.view(tgt_len, bsz, self.num_sources).transpose(0, 1)
-        self._record(weights, need_head_weights, levels)  # levels: B x T x n
         u = self._post(x + self.dropout_module(combined.view(tgt_len, bsz, dim)))
         return u, weights[self.primary_index]
 
