@@ -256,9 +256,9 @@ def test_staged_encoder_layer_equals_fairseq_encoder_layer(norm, return_fc, attn
 
 @pytest.fixture
 def stage_slots(monkeypatch):
-    """The decoder stage slots, with the fillers a test registers removed after it."""
+    """The layer stage slots, with the fillers a test registers removed after it."""
     for slot in (slots.DECODER_AFTER_SELF_ATTENTION, slots.DECODER_CROSS_ATTENTION_SUBLAYER,
-                 slots.DECODER_FEED_FORWARD):
+                 slots.DECODER_FEED_FORWARD, slots.ENCODER_AFTER_SELF_ATTENTION, slots.ENCODER_FEED_FORWARD):
         monkeypatch.setattr(slot, "_fillers", dict(slot._fillers))
 
 
@@ -326,6 +326,43 @@ def test_stage_slot_modules_run_in_their_stages_under_the_names_they_declare(sta
         h = layer.self_attention_stage(x, memory, padding, None, None, None, None) + shift
         expected = 2 * (h + layer.encoder_attn.bias + shift * memory.mean()) + layer.ffn.bias
     assert torch.equal(got, expected) and attn is None
+
+
+@pytest.mark.parametrize("norm", NORMALIZATION)
+def test_encoder_stage_slot_modules_run_in_their_stages_under_the_names_they_declare(stage_slots, norm):
+    """The encoder layer's after-self-attention and feed-forward slots: the step between the
+    sublayers gets no per-call extras; a filled feed-forward stage drops fairseq's FFN
+    modules and gives no ``fc_result``; an empty one is fairseq's (the equivalence test above)."""
+    from mlmha_fairseq.models.slot_transformer import SlotTransformerEncoderLayer
+
+    class EncoderShift(torch.nn.Module):
+        layer_attribute = "shift"
+
+        def after_self_attention(self, x, extras):
+            assert extras == {}
+            return x + 0.5
+
+    slots.ENCODER_AFTER_SELF_ATTENTION.register("test")(lambda cfg, **where: EncoderShift())
+    slots.ENCODER_FEED_FORWARD.register("test")(lambda cfg, layer_idx, embed_dim: Sublayer("ffn", embed_dim))
+    layer = SlotTransformerEncoderLayer(layer_config(norm), layer_idx=0, return_fc=True).eval()
+    assert {key.split(".")[0] for key in layer.state_dict()} == {"self_attn", "self_attn_layer_norm", "ffn"}
+    assert layer.fc1 is layer.fc2 is layer.final_layer_norm is None
+    x, _, _ = layer_inputs()
+    padding = torch.zeros(x.size(1), x.size(0), dtype=torch.bool)
+    padding[1, -2:] = True
+    with torch.no_grad():
+        got, fc_result = layer(x, padding)
+        expected = 2 * (layer.self_attention_stage(x, padding, None) + 0.5) + layer.ffn.bias
+    assert torch.equal(got, expected) and fc_result is None
+
+
+def test_two_fillers_of_an_encoder_stage_slot_are_refused_naming_both(stage_slots):
+    for name in ("first", "second"):
+        slots.ENCODER_FEED_FORWARD.register(name, given_by=lambda cfg, name=name: f"--{name}-ffn")(
+            lambda cfg, layer_idx, embed_dim: Sublayer("ffn", embed_dim))
+    with pytest.raises(UsageError, match=r"^the encoder feed-forward slot of layer 1 is claimed by several "
+                                         r"mechanisms \(--first-ffn, --second-ffn\): choose one$"):
+        build_model("slot_transformer")
 
 
 def test_two_fillers_of_a_decoder_stage_slot_are_refused_naming_both(stage_slots):

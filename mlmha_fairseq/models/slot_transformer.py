@@ -61,6 +61,8 @@ from .slots import (
     DECODER_FEED_FORWARD,
     DECODER_OUTPUT,
     DECODER_SELF_ATTENTION,
+    ENCODER_AFTER_SELF_ATTENTION,
+    ENCODER_FEED_FORWARD,
     ENCODER_LAYER_INPUTS,
     ENCODER_MEMORY,
     ENCODER_SELF_ATTENTION,
@@ -104,16 +106,33 @@ def next_layer_index(stack) -> int:
     return index
 
 
+def keep_stage_module(layer: nn.Module, module: Optional[nn.Module]) -> Optional[str]:
+    """A stage slot's module registered on ``layer`` under the attribute it declares (its
+    parameter names in checkpoints, e.g. ``aux_fusion``); that attribute, None for an empty slot."""
+    if module is None:
+        return None
+    if hasattr(layer, module.layer_attribute):
+        raise ValueError(f"the layer already has a {module.layer_attribute!r}")
+    setattr(layer, module.layer_attribute, module)
+    return module.layer_attribute
+
+
 class SlotTransformerEncoderLayer(TransformerEncoderLayerBase):
     """fairseq's encoder layer whose self-attention comes from the encoder self-attention
-    slot (fairseq's ``MultiheadAttention`` by default), computed in two stages,
-    :meth:`self_attention_stage` and :meth:`feed_forward_stage`, as fairseq's
-    ``TransformerEncoderLayerBase.forward`` computes it (pre- and post-norm,
-    ``tests/test_slot_transformer.py``)."""
+    slot (fairseq's ``MultiheadAttention`` by default), computed in three stages,
+    :meth:`self_attention_stage`, :meth:`after_self_attention` and :meth:`feed_forward_stage`,
+    the last two filled by their stage slots (:mod:`.slots`); with those slots empty, as
+    fairseq's ``TransformerEncoderLayerBase.forward`` computes it, with its submodules (pre-
+    and post-norm, ``tests/test_slot_transformer.py``)."""
 
     def __init__(self, cfg, layer_idx: int, return_fc: bool = False):
         self.layer_idx = layer_idx  # read by build_self_attention inside super().__init__
         super().__init__(cfg, return_fc=return_fc)
+        where = dict(layer_idx=layer_idx, embed_dim=self.embed_dim)
+        self.after_self_attention_name = keep_stage_module(self, ENCODER_AFTER_SELF_ATTENTION.build(cfg, **where))
+        self.feed_forward_name = keep_stage_module(self, ENCODER_FEED_FORWARD.build(cfg, **where))
+        if self.feed_forward_name is not None:  # the module is the whole sublayer
+            self.fc1 = self.fc2 = self.final_layer_norm = None
 
     def build_self_attention(self, embed_dim, cfg):
         module = ENCODER_SELF_ATTENTION.build(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)
@@ -126,7 +145,7 @@ class SlotTransformerEncoderLayer(TransformerEncoderLayerBase):
         if attn_mask is not None:
             attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
         x = self.self_attention_stage(x, encoder_padding_mask, attn_mask)
-        x, fc_result = self.feed_forward_stage(x)
+        x, fc_result = self.feed_forward_stage(self.after_self_attention(x))
         if self.return_fc and not torch.jit.is_scripting():
             return x, fc_result
         return x
@@ -141,9 +160,18 @@ class SlotTransformerEncoderLayer(TransformerEncoderLayerBase):
         x = self.residual_connection(self.dropout_module(x), residual)
         return x if self.normalize_before else self.self_attn_layer_norm(x)
 
-    def feed_forward_stage(self, x) -> Tuple[Tensor, Tensor]:
+    def after_self_attention(self, x):
+        """The step between the two sublayers: its slot's module (with no per-call extras),
+        nothing in the Transformer."""
+        if self.after_self_attention_name is None:
+            return x
+        return getattr(self, self.after_self_attention_name).after_self_attention(x, {})
+
+    def feed_forward_stage(self, x) -> Tuple[Tensor, Optional[Tensor]]:
         """Position-wise feed-forward sublayer: ``(x, fc2's output before dropout)``, the
-        ``fc_result`` fairseq returns with ``return_fc``."""
+        ``fc_result`` fairseq returns with ``return_fc`` (None from a filled stage)."""
+        if self.feed_forward_name is not None:
+            return getattr(self, self.feed_forward_name).feed_forward(x), None
         residual = x
         if self.normalize_before:
             x = self.final_layer_norm(x)
@@ -185,20 +213,10 @@ class SlotTransformerDecoderLayer(TransformerDecoderLayerBase):
         where = dict(layer_idx=layer_idx, embed_dim=self.embed_dim, **layer_context)
         # registered after fairseq's modules, where AIF's layer class had its aux_fusion: the
         # parameter order of optimizer states in checkpoints
-        self.after_self_attention_name = self._keep(DECODER_AFTER_SELF_ATTENTION.build(cfg, **where))
-        self.feed_forward_name = self._keep(DECODER_FEED_FORWARD.build(cfg, **where))
+        self.after_self_attention_name = keep_stage_module(self, DECODER_AFTER_SELF_ATTENTION.build(cfg, **where))
+        self.feed_forward_name = keep_stage_module(self, DECODER_FEED_FORWARD.build(cfg, **where))
         if self.feed_forward_name is not None:  # the module is the whole sublayer
             self.fc1 = self.fc2 = self.ffn_layernorm = self.final_layer_norm = self.w_resid = None
-
-    def _keep(self, module: Optional[nn.Module]) -> Optional[str]:
-        """A stage slot's module registered under the attribute it declares (its parameter
-        names in checkpoints, e.g. ``aux_fusion``); that attribute, None for an empty slot."""
-        if module is None:
-            return None
-        if hasattr(self, module.layer_attribute):
-            raise ValueError(f"the decoder layer already has a {module.layer_attribute!r}")
-        setattr(self, module.layer_attribute, module)
-        return module.layer_attribute
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         module = DECODER_SELF_ATTENTION.build(cfg, layer_idx=self.layer_idx, embed_dim=embed_dim)

@@ -154,6 +154,11 @@ DECODER_CROSS_ATTENTION_SUBLAYER = Slot("decoder cross-attention sublayer")
 # ``module.feed_forward(x) -> x``: the whole sublayer in place of fairseq's (its fc1, fc2 and
 # LayerNorms are dropped); the layer keeps it as its ``layer_attribute``.
 DECODER_FEED_FORWARD = Slot("decoder feed-forward")
+# The stages of the encoder layer (SlotTransformerEncoderLayer), the same contracts with an
+# empty ``extras`` (the encoder has no per-call inputs); fillers are called with layer_idx and
+# embed_dim. A filled feed-forward stage gives no ``fc_result`` (fairseq's ``return_fc``).
+ENCODER_AFTER_SELF_ATTENTION = Slot("encoder after self-attention")
+ENCODER_FEED_FORWARD = Slot("encoder feed-forward")
 
 
 def one_module(place: str, cfg, context, *fills: Tuple[Slot, Dict[str, nn.Module]]) -> Optional[nn.Module]:
