@@ -28,6 +28,8 @@ from fairseq_helpers import (
 )
 from mlmha_fairseq.cli import multi_source_attention
 from mlmha_fairseq.data.multi_source_dataset import DataError, derangement
+from mlmha_fairseq.evaluation.attention_statistics import recording_attention
+from mlmha_fairseq.evaluation.multi_source_attention import record, recorded_attentions, sublayer_weights
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.models.multi_source import ImageFeatureEncoder, combination_modules
 from mlmha_fairseq.modules.input_combination import COMBINATIONS, STRATEGIES, build_input_combination
@@ -78,6 +80,13 @@ def multi_source_batch(dictionary, kinds, batch_size=4, seed=0):
 def forward(model, inputs, lengths, prev, primary=0, **kwargs):
     return model(inputs[primary], lengths[primary], prev, multi_source_inputs=inputs,
                  multi_source_lengths=lengths, **kwargs)
+
+
+def net_input_batch(inputs, lengths, prev, primary=0):
+    """The batch of :func:`forward`'s call, as the task collates it (for ``record``)."""
+    return {"net_input": dict(src_tokens=inputs[primary], src_lengths=lengths[primary],
+                              prev_output_tokens=prev, multi_source_inputs=inputs,
+                              multi_source_lengths=lengths)}
 
 
 def reordered(tensors, order):
@@ -135,13 +144,9 @@ def test_hierarchical_second_level_is_certain_with_one_source():
     dictionary = toy_dictionary()
     model, _ = build_multi_source(["src"], "--combination-strategy", "hierarchical", dictionary=dictionary)
     model.eval()
-    for module in combination_modules(model):
-        module.record_weights = True
     src, lengths, prev = random_batch(dictionary)
-    with torch.no_grad():
-        forward(model, [src], [lengths], prev)
-    for module in combination_modules(model):
-        torch.testing.assert_close(module.recorded["contexts"], torch.ones(4, prev.size(1), 1))
+    for layer in record(model, net_input_batch([src], [lengths], prev)):
+        torch.testing.assert_close(layer["contexts"], torch.ones(4, prev.size(1), 1))
 
 
 # --- the sublayer equations of Libovický et al. 2018 (Eqs. 3-8), written out -----------------------------------
@@ -276,21 +281,55 @@ def test_the_first_source_is_primary_by_default(strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_recorded_weights_are_every_sources_head_average(strategy):
-    """For the attention dumps (Libovický et al. 2018, Appendix A): with ``record_weights`` every
-    call stores, whatever the caller asked, the weights over each source averaged over heads
-    (B x T x S_k)."""
+    """For the attention dumps (Libovický et al. 2018, Appendix A): forward hooks on the
+    sublayer's attentions record at every call, whatever the caller asked, the weights over
+    each source averaged over heads (B x T x S_k)."""
     module = combination(strategy, pre_norm=False)
-    module.record_weights = True
     x, memories, masks = sublayer_inputs()
     with torch.no_grad():
         expected = [w.mean(0) for w in source_head_weights(module, x, memories, masks, pre=False)]
         for asked in ({}, {"need_weights": True}, {"need_head_weights": True}):
-            module.recorded = {}
-            module(x, memories, masks, **asked)
-            recorded = module.recorded["sources"]
+            with recording_attention(recorded_attentions(module)) as records:
+                module(x, memories, masks, **asked)
+            recorded = sublayer_weights(module, records, [m.size(0) for m in memories])["sources"]
             assert len(recorded) == 3, asked
             for got, want in zip(recorded, expected):
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=str(asked))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_hooks_record_the_weights_the_sublayer_returns_over_the_primary_source(strategy):
+    """The attention dumps' forward hooks and fairseq's alignment output agree: in the same
+    call, the recorded head-averaged weights over the primary source (here the second) are
+    those the sublayer returns with ``need_weights``; in a whole model, every decoder layer's
+    recorded weights are fairseq's alignment weights of that layer (``alignment_layer``). The
+    flat strategy's one joint distribution, split per source (text tokens, image positions),
+    sums to 1 over all sources together."""
+    module = combination(strategy, pre_norm=True, primary_index=1)
+    x, memories, masks = sublayer_inputs()
+    with recording_attention(recorded_attentions(module)) as records, torch.no_grad():
+        returned = module(x, memories, masks, need_weights=True)[1]
+    recorded = sublayer_weights(module, records, [m.size(0) for m in memories])
+    assert [w.shape for w in recorded["sources"]] == [(2, 5, length) for length in (4, 6, 3)]
+    torch.testing.assert_close(recorded["sources"][1], returned)
+    model, task = build_multi_source(["a", "b", "img"], "--primary-source", "b",
+                                     "--combination-strategy", strategy, image_sources=("img",))
+    model.eval()
+    inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
+    layers = record(model, net_input_batch(inputs, lengths, prev, primary=1))
+    assert len(layers) == DECODER_LAYERS
+    for index, layer in enumerate(layers):
+        assert [w.shape for w in layer["sources"]] == [(4, prev.size(1), length) for length in (7, 5, POSITIONS)]
+        assert ("contexts" in layer) == (strategy == "hierarchical")
+        with torch.no_grad():
+            attn = forward(model, inputs, lengths, prev, primary=1, alignment_layer=index)[1]["attn"][0]
+        torch.testing.assert_close(layer["sources"][1], attn)
+        if strategy == "flat":
+            joint = torch.cat(layer["sources"], dim=-1).sum(dim=-1)
+            torch.testing.assert_close(joint, torch.ones_like(joint))
+    if strategy == "flat":
+        joint = torch.cat(recorded["sources"], dim=-1).sum(dim=-1)
+        torch.testing.assert_close(joint, torch.ones_like(joint))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -419,13 +458,11 @@ def test_alignment_output_is_the_attention_over_the_primary_source(strategy):
     model.eval()
     modules = combination_modules(model)
     assert [module.primary_index for module in modules] == [1] * DECODER_LAYERS
-    for module in modules:
-        module.record_weights = True
     inputs, lengths, prev = multi_source_batch(task.dictionary, task.source_kinds)
     with torch.no_grad():
         attn = forward(model, inputs, lengths, prev, primary=1)[1]["attn"][0]
     assert attn.shape == (4, prev.size(1), 5)
-    torch.testing.assert_close(attn, modules[-1].recorded["sources"][1])
+    torch.testing.assert_close(attn, record(model, net_input_batch(inputs, lengths, prev, primary=1))[-1]["sources"][1])
 
 
 def test_layer_returns_cross_attention_weights_when_fairseqs_layer_does():

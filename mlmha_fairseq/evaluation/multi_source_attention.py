@@ -2,8 +2,10 @@
 Appendix A) and the hierarchical second-level weights per source and decoder layer
 (Figure 2).
 
-Weights are recorded by the combination sublayers (``record_weights``) on a teacher-forced
-pass over the reference translation, averaged over heads. Padding is removed; EOS is kept.
+Weights are recorded with forward hooks on the combination sublayers' attentions
+(:func:`mlmha_fairseq.evaluation.attention_statistics.recording_attention`, as every analysis of
+the package records internals) on a teacher-forced pass over the reference translation,
+averaged over heads. Padding is removed; EOS is kept.
 For the hierarchical strategy the joint view multiplies each source's weights by that
 source's second-level weight ([choice] both levels averaged over heads first).
 """
@@ -13,8 +15,10 @@ import numpy as np
 import torch
 
 from mlmha_fairseq.data.multi_source_dataset import IMAGE
+from mlmha_fairseq.evaluation.attention_statistics import recording_attention
 from mlmha_fairseq.evaluation.plotting import pyplot, save_figure
 from mlmha_fairseq.models.multi_source import combination_modules
+from mlmha_fairseq.modules.input_combination import FLAT, HIERARCHICAL
 
 HEATMAP_INCHES_PER_TOKEN = 0.22
 MIN_FIGURE_INCHES = 3.0
@@ -22,20 +26,53 @@ MAX_TICK_LABELS = 60  # longer axes get no token labels (they would overlap)
 IMAGE_POSITION = "#{}"  # column label of image position k
 
 
+def recorded_attentions(module) -> list:
+    """The fairseq ``MultiheadAttention``s of one combination sublayer whose weights
+    :func:`record` needs: the per-source ones (one over the concatenation for the flat
+    strategy), then the hierarchical second level."""
+    attentions = list(module.attentions)
+    if module.strategy == HIERARCHICAL:
+        attentions.append(module.hier_attention)
+    return attentions
+
+
+def sublayer_weights(module, head_weights: List[torch.Tensor], source_lengths: List[int]
+                   ) -> Dict[str, List[torch.Tensor]]:
+    """``sources`` (and ``contexts``) of one sublayer from its attentions' ``H x B x T x S``
+    weights, averaged over heads (fairseq's head-averaged weights are that mean)."""
+    if module.strategy == FLAT:  # one joint distribution over S_1 + ... + S_n: split per source
+        (joint,) = head_weights
+        if joint.size(-1) != sum(source_lengths):
+            raise ValueError(f"the flat attention spans {joint.size(-1)} memory positions, "
+                             f"the sources {source_lengths}")
+        return {"sources": list(joint.mean(dim=0).split(source_lengths, dim=-1))}
+    weights = {"sources": [w.mean(dim=0) for w in head_weights[:module.num_sources]]}
+    if module.strategy == HIERARCHICAL:
+        # query 1 x (T*B) over the n contexts: H x (T*B) x 1 x n -> B x T x n
+        (level,) = head_weights[module.num_sources:]
+        batch_size, tgt_len = weights["sources"][0].shape[:2]
+        weights["contexts"] = level.mean(dim=0).view(tgt_len, batch_size, module.num_sources).transpose(0, 1)
+    return weights
+
+
 def record(model, batch) -> List[Dict[str, List[torch.Tensor]]]:
     """Per decoder layer, the recorded ``sources`` (n tensors ``B x T x S_k``) and, for the
-    hierarchical strategy, ``contexts`` (``B x T x n``) of one teacher-forced batch."""
+    hierarchical strategy, ``contexts`` (``B x T x n``) of one teacher-forced batch, averaged
+    over heads (float32, on the CPU): forward hooks on each combination sublayer's
+    attentions (:func:`~mlmha_fairseq.evaluation.attention_statistics.recording_attention`)."""
     modules = combination_modules(model)
-    for module in modules:
-        module.record_weights = True
-    try:
-        with torch.no_grad():
-            model(**batch["net_input"])
-        return [module.recorded for module in modules]
-    finally:
-        for module in modules:
-            module.record_weights = False
-            module.recorded = {}
+    per_module = [recorded_attentions(module) for module in modules]
+    # each source's memory is as long as its input: S_k tokens (the encoder keeps the
+    # padding positions) or P image positions (B x P x C features)
+    source_lengths = [inputs.size(1) for inputs in batch["net_input"]["multi_source_inputs"]]
+    with recording_attention([a for attentions in per_module for a in attentions]) as records, \
+            torch.no_grad():
+        model(**batch["net_input"])
+    layers, start = [], 0
+    for module, attentions in zip(modules, per_module):
+        layers.append(sublayer_weights(module, records[start : start + len(attentions)], source_lengths))
+        start += len(attentions)
+    return layers
 
 
 def sentence_weights(records, batch, kinds: Sequence[str], pad: int) -> List[Dict[str, np.ndarray]]:
