@@ -218,6 +218,22 @@ def test_sublayer_equals_the_equations_of_the_paper(strategy, pre_norm):
         torch.testing.assert_close(got, spec_equation(module, x, memories, masks, pre_norm), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_hierarchical_second_level_computes_no_weights_that_nobody_reads(need_weights):
+    """The second-level attention's weights are never returned (fairseq's alignment output is the
+    primary source's first-level weights) and the analyses record them through their own hook:
+    the sublayer does not ask fairseq's attention for them, which would average them over heads
+    for nothing at every training step."""
+    module = combination("hierarchical", False)
+    outputs = []
+    module.hier_attention.register_forward_hook(lambda attention, inputs, output: outputs.append(output))
+    x, memories, masks = sublayer_inputs()
+    with torch.no_grad():
+        _, primary = module(x, memories, masks, need_weights=need_weights)
+    assert [weights for _, weights in outputs] == [None]
+    assert (primary is not None) == need_weights
+
+
 def head_weights(attention, query, memory, mask):
     """Libovický et al. 2018, Eqs. 1 and 3, the weights only: per head i,
     softmax(Q W_i^Q (K W_i^K)^T / sqrt(d_h)) written out from the attention's projection
