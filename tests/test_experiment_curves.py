@@ -102,8 +102,28 @@ def test_a_run_stops_once_validation_bleu_has_not_improved_for_patience_evaluati
     assert seed["stopped_at"] == seed["best_update"] + 2 * 4 < 80 and seed["stopped_by"] == "patience"
     assert seed["validations"] == seed["stopped_at"] // 4
     assert (work / "results-curves.png").stat().st_size > 0
-    scores = json.loads((work / "runs" / "transformer--fairseq" / "seed1" / "scores.json").read_text())
+    run_dir = work / "runs" / "transformer--fairseq" / "seed1"
+    scores = json.loads((run_dir / "scores.json").read_text())
     assert scores["checkpoint"].endswith("checkpoint_best.pt")  # the checkpoint of best validation BLEU
+
+    # stopped after training, before it was recorded: its log shows it converged, so a rerun
+    # (whose fairseq-train would count --patience afresh) does not train it again
+    trainings = (work / "commands.log").read_text().count("fairseq_cli.train")
+    (run_dir / "train.done").unlink()
+    (run_dir / "scores.json").unlink()
+    assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    assert (work / "commands.log").read_text().count("fairseq_cli.train") == trainings
+    assert grid.last_update(str(run_dir / "logs" / "train.log")) == seed["stopped_at"]
+
+
+def test_validations_since_best_counts_after_the_first_of_equal_bests(tmp_path):
+    run = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 1000), str(tmp_path)).runs[0]
+    log = run.path("logs", "train.log")
+    assert grid.validations_since_best(log) == 0  # no log yet
+    write_log(run, [(200, 1.0, 7.0), (400, 3.0, 6.0), (600, 3.0, 5.9), (800, 2.0, 5.8)])
+    assert grid.validations_since_best(log) == 2
+    write_log(run, [(200, 1.0, 7.0), (400, 3.0, 6.0)])
+    assert grid.validations_since_best(log) == 0
 
 
 @pytest.mark.parametrize("table, message", [

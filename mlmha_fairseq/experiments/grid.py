@@ -255,9 +255,27 @@ def usable_last_checkpoint(run: Run) -> int:
     return trained_updates(state)
 
 
+def validations_since_best(log_path: str) -> int:
+    """The validations a run's log records after its best validation BLEU (the first of equal
+    bests: fairseq's ``--patience`` counts an equal value as no improvement); 0 without any."""
+    from mlmha_fairseq.evaluation.text_io import InputError
+    from mlmha_fairseq.evaluation.training_curves import read_log_curves
+
+    try:
+        values = [value for _, value in read_log_curves(log_path, "bleu")["valid"]]
+    except (InputError, OSError):
+        return 0
+    return len(values) - 1 - values.index(max(values)) if values else 0
+
+
 def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     """fairseq-train into ``run.checkpoints``; fairseq restores ``checkpoint_last.pt`` there
-    when a previous attempt was stopped. Keeps the last update checkpoints for averaging."""
+    when a previous attempt was stopped. Keeps the last update checkpoints for averaging.
+
+    With ``[convergence]``, a resumed fairseq-train counts ``--patience`` afresh, from its own
+    first validation (fairseq keeps no count in checkpoints), so a resumed run may stop later
+    than ``patience`` validations after its best, never earlier; a run stopped after its log
+    already shows that many validations without a gain is converged and not trained again."""
     interval = (settings.convergence.validate_every if settings.convergence
                 else settings.save_interval_updates or max(1, settings.max_update // 4))
     done = usable_last_checkpoint(run)
@@ -265,6 +283,12 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         # fairseq-train steps before it checks --max-update, so restarting it here would train
         # one update past the budget (a runner stopped after training, before train.done)
         logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
+        write_text(run.path("train.done"), "")
+        return
+    spent = validations_since_best(run.path("logs", "train.log")) if settings.convergence and done else 0
+    if settings.convergence and spent >= settings.convergence.patience:
+        logger.info("  %s: no gain in validation BLEU in its last %d validations: converged, not trained again",
+                    run.name, spent)
         write_text(run.path("train.done"), "")
         return
     system = run.system
