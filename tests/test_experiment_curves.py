@@ -114,6 +114,8 @@ def test_a_run_stops_once_validation_bleu_has_not_improved_for_patience_evaluati
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     assert (work / "commands.log").read_text().count("fairseq_cli.train") == trainings
     assert grid.last_update(str(run_dir / "logs" / "train.log")) == seed["stopped_at"]
+    again = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
+    assert again["stopped_by"] == "patience (over the attempts, counted by the runner)"
 
 
 def test_validations_since_best_counts_after_the_first_of_equal_bests(tmp_path):

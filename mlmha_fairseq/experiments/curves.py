@@ -13,13 +13,14 @@ from mlmha_fairseq.evaluation.plotting import plot_learning_curves
 from mlmha_fairseq.evaluation.replicates import mean_sd_text
 from mlmha_fairseq.evaluation.text_io import InputError, write_json, write_text
 from mlmha_fairseq.evaluation.training_curves import read_log_curves
-from mlmha_fairseq.experiments.grid import Grid, Run, failure_line, last_update
+from mlmha_fairseq.experiments.grid import CONVERGED, Grid, Run, failure_line, last_update
 
 STATS = (("bleu", "validation BLEU"), ("loss", "validation loss"))
 Curve = List[Tuple[float, float]]
 # fairseq-train's own log lines for why it stopped; a resumed run's log holds its attempts in
 # order, so the last one found is the run's
 STOPS = (("early stop since valid performance hasn't improved", "patience"),
+         (CONVERGED, "patience (over the attempts, counted by the runner)"),
          ("Stopping training due to num_updates", "max_update"),
          ("Stopping training due to cumulative_training_time", "time limit (--stop-time-hours)"),
          ("Traceback (most recent call last)", "failed"))

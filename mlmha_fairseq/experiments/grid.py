@@ -255,6 +255,9 @@ def usable_last_checkpoint(run: Run) -> int:
     return trained_updates(state)
 
 
+CONVERGED = "converged: no gain in validation BLEU in its last"  # the runner's own stop, in a run's log
+
+
 def validations_since_best(log_path: str) -> int:
     """The validations a run's log records after its best validation BLEU (the first of equal
     bests: fairseq's ``--patience`` counts an equal value as no improvement); 0 without any."""
@@ -285,10 +288,12 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
         write_text(run.path("train.done"), "")
         return
-    spent = validations_since_best(run.path("logs", "train.log")) if settings.convergence and done else 0
+    log_path = run.path("logs", "train.log")
+    spent = validations_since_best(log_path) if settings.convergence and done else 0
     if settings.convergence and spent >= settings.convergence.patience:
-        logger.info("  %s: no gain in validation BLEU in its last %d validations: converged, not trained again",
-                    run.name, spent)
+        logger.info("  %s: %s %d validations: not trained again", run.name, CONVERGED, spent)
+        with open(log_path, "a") as log:  # the run's stop, where the curve report reads it
+            log.write(f"[experiment] {CONVERGED} {spent} validations\n")
         write_text(run.path("train.done"), "")
         return
     system = run.system
