@@ -118,6 +118,30 @@ def test_an_option_typed_at_its_default_while_its_mechanism_is_off_is_refused(me
     assert str(error.value).startswith(f"{option.flag} {option.default} needs {needs.text}, which is off")
 
 
+def test_every_typed_option_is_noted_not_only_the_last():
+    """Two options of a mechanism that is off, both typed at their defaults: the first one
+    declared is refused, so the note kept the earlier one when the later one was typed."""
+    mechanism = next(m for m in MECHANISMS.values() if sum(m is n for n, _ in TYPED_AT_DEFAULT) >= 2)
+    first, second = [option for m, option in TYPED_AT_DEFAULT if m is mechanism][:2]
+    arch, off = MECHANISM_MODELS[mechanism.name]
+    with pytest.raises(UsageError) as error:
+        build(arch, *off, first.flag, str(first.default), second.flag, str(second.default))
+    assert str(error.value).startswith(f"{first.flag} {first.default} needs")
+
+
+@pytest.mark.parametrize("mechanism, option", TYPED_AT_DEFAULT[:1], ids=[TYPED_AT_DEFAULT[0][1].flag])
+def test_an_option_set_without_a_command_line_is_refused_under_its_flag(mechanism, option):
+    """Arguments made without fairseq's parser (a script, a hydra config turned into a
+    Namespace) record nothing as typed: the message names the option by its flag."""
+    args = argparse.Namespace()
+    mechanism.set_defaults(args)
+    _, value = set_value(option)
+    setattr(args, option.dest, option.argparse.get("type", str)(value))
+    with pytest.raises(UsageError) as error:
+        mechanism.check(args)
+    assert str(error.value).startswith(f"{option.flag} {getattr(args, option.dest)} needs")
+
+
 def test_a_typed_option_is_named_as_typed_and_the_note_never_reaches_the_model_arguments():
     with pytest.raises(UsageError, match=r"^--mask-encoder-layer-mode zero needs --mlmha-mask-encoder-layer"):
         build_model("slot_transformer", "--layer-aggregation", "s-agg", "--mask-encoder-layer-mode", "zero")
