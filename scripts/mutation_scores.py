@@ -6,9 +6,10 @@ killed / (killed + survived + no tests) per file, then the totals.
 
 Written by hand because mutmut 3.8 reports totals (``export-cicd-stats``) and survivors
 (``results``) but not counts per file. It reads mutmut's per-file ``.meta`` JSON, whose
-``exit_code_by_key`` holds the test run's exit status per mutant: pytest's 0 (all passed: the
-mutant survived), 5 (no test collected: no tests), None (not run yet) and any other status
-(a test failed or timed out: killed).
+``exit_code_by_key`` holds the test run's exit status per mutant, which mutmut's own
+``status_by_exit_code`` names: a mutant that a test failed on, timed out or crashed counts as
+killed; "survived" and "no tests" (pytest's 5, or mutmut's 33 for a mutant that no test of the
+selection executes) count against the score; anything else as not checked.
 """
 import argparse
 import glob
@@ -16,13 +17,17 @@ import json
 import os
 from collections import Counter
 
+from mutmut.stats import status_by_exit_code
+
 COLUMNS = ("mutants", "killed", "survived", "no tests", "not checked")
+DETECTED = ("killed", "timeout", "segfault", "caught by type check")
 
 
 def outcome(exit_code) -> str:
-    if exit_code is None:
-        return "not checked"
-    return {0: "survived", 5: "no tests"}.get(exit_code, "killed")
+    status = status_by_exit_code[exit_code]
+    if status in DETECTED:
+        return "killed"
+    return status if status in ("survived", "no tests") else "not checked"
 
 
 def scores(mutants_dir: str) -> dict:
