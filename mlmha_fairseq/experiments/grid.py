@@ -290,7 +290,7 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         return
     log_path = run.path("logs", "train.log")
     spent = validations_since_best(log_path) if settings.convergence and done else 0
-    if settings.convergence and spent >= settings.convergence.patience:
+    if spent and spent >= settings.convergence.patience:  # spent > 0 only with [convergence]
         logger.info("  %s: %s %d validations: not trained again", run.name, CONVERGED, spent)
         with open(log_path, "a") as log:  # the run's stop, where the curve report reads it
             log.write(f"[experiment] {CONVERGED} {spent} validations\n")
