@@ -258,14 +258,15 @@ def usable_last_checkpoint(run: Run) -> int:
 CONVERGED = "converged: no gain in validation BLEU in its last"  # the runner's own stop, in a run's log
 
 
-def validations_since_best(log_path: str) -> int:
-    """The validations a run's log records after its best validation BLEU (the first of equal
-    bests: fairseq's ``--patience`` counts an equal value as no improvement); 0 without any."""
+def validations_since_best(log_path: str, until: float = float("inf")) -> int:
+    """The validations a run's log records (up to update ``until``) after its best validation
+    BLEU (the first of equal bests: fairseq's ``--patience`` counts an equal value as no
+    improvement); 0 without any."""
     from mlmha_fairseq.evaluation.text_io import InputError
     from mlmha_fairseq.evaluation.training_curves import read_log_curves
 
     try:
-        values = [value for _, value in read_log_curves(log_path, "bleu")["valid"]]
+        values = [value for update, value in read_log_curves(log_path, "bleu")["valid"] if update <= until]
     except (InputError, OSError):
         return 0
     return len(values) - 1 - values.index(max(values)) if values else 0
@@ -275,27 +276,41 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     """fairseq-train into ``run.checkpoints``; fairseq restores ``checkpoint_last.pt`` there
     when a previous attempt was stopped. Keeps the last update checkpoints for averaging.
 
-    With ``[convergence]``, a resumed fairseq-train counts ``--patience`` afresh, from its own
-    first validation (fairseq keeps no count in checkpoints), so a resumed run may stop later
-    than ``patience`` validations after its best, never earlier; a run stopped after its log
-    already shows that many validations without a gain is converged and not trained again."""
+    With ``[convergence]``, a resumed fairseq-train would count ``--patience`` afresh from its
+    own first validation (fairseq keeps no count in checkpoints), and stop later than an
+    uninterrupted run. So a resumed run is trained in bounded attempts instead: each ends
+    (``--max-update``) at the validation where the count over the whole log would reach
+    ``patience`` without a gain; the run is converged when its log shows that count, and
+    resumed again from there when a gain came first. Only a run trained from its start is
+    stopped by fairseq's own count, which is then the same."""
     interval = (settings.convergence.validate_every if settings.convergence
                 else settings.save_interval_updates or max(1, settings.max_update // 4))
-    done = usable_last_checkpoint(run)
-    if done >= settings.max_update:
-        # fairseq-train steps before it checks --max-update, so restarting it here would train
-        # one update past the budget (a runner stopped after training, before train.done)
-        logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
-        write_text(run.path("train.done"), "")
-        return
     log_path = run.path("logs", "train.log")
-    spent = validations_since_best(log_path) if settings.convergence and done else 0
-    if spent and spent >= settings.convergence.patience:  # spent > 0 only with [convergence]
-        logger.info("  %s: %s %d validations: not trained again", run.name, CONVERGED, spent)
-        with open(log_path, "a") as log:  # the run's stop, where the curve report reads it
-            log.write(f"[experiment] {CONVERGED} {spent} validations\n")
-        write_text(run.path("train.done"), "")
-        return
+    while True:
+        done = usable_last_checkpoint(run)
+        if done >= settings.max_update:
+            # fairseq-train steps before it checks --max-update, so restarting it here would
+            # train one update past the budget (a runner stopped after training, before train.done)
+            logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
+            break
+        limit = settings.max_update
+        if settings.convergence and done:
+            # validations after the checkpoint (a run stopped before its save) are done again
+            spent = validations_since_best(log_path, until=done)
+            if spent >= settings.convergence.patience:
+                logger.info("  %s: %s %d validations", run.name, CONVERGED, spent)
+                with open(log_path, "a") as log:  # the run's stop, where the curve report reads it
+                    log.write(f"[experiment] {CONVERGED} {spent} validations\n")
+                break
+            limit = min(limit, done + (settings.convergence.patience - spent) * interval)
+        train_attempt(run, settings, work_dir, limit, interval, on_poll)
+        if limit == settings.max_update or last_update(log_path) < limit:
+            break  # trained to the cap, or stopped by itself (fairseq's patience, a time limit)
+    write_text(run.path("train.done"), "")
+
+
+def train_attempt(run: Run, settings: Settings, work_dir: str, max_update: int, interval: int, on_poll) -> None:
+    """One fairseq-train of ``run`` up to ``max_update`` (or its own stop)."""
     system = run.system
     run_command(fairseq(
         "train", settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
@@ -305,7 +320,7 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         "--lr-scheduler", "inverse_sqrt",
         "--warmup-updates", settings.warmup_updates or max(1, settings.max_update // 5),
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        settings.batching.option, settings.batching.size, "--max-update", settings.max_update,
+        settings.batching.option, settings.batching.size, "--max-update", max_update,
         "--save-dir", run.checkpoints, "--no-epoch-checkpoints",
         "--save-interval-updates", interval, "--keep-interval-updates", max(1, settings.average_last),
         "--seed", run.seed, *settings.device_args, "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
@@ -313,7 +328,6 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         *settings.train_args,
         *system.options,  # last: a system may replace the criterion
     ), run.path("logs", "train.log"), work_dir, on_poll, settings.env)
-    write_text(run.path("train.done"), "")
 
 
 def checkpoint_to_decode(run: Run, settings: Settings) -> str:
