@@ -118,6 +118,38 @@ def test_an_option_typed_at_its_default_while_its_mechanism_is_off_is_refused(me
     assert str(error.value).startswith(f"{option.flag} {option.default} needs {needs.text}, which is off")
 
 
+def test_an_architecture_is_registered_with_fairseq_and_refuses_what_was_typed_while_off():
+    """register_architecture, called here on a new name (at import time its calls run before
+    any test): fairseq maps the name to the model and to a function that runs the preset,
+    takes the typed-options note off the arguments and then checks it; the preset itself is
+    returned unwrapped, for presets that call one another."""
+    from fairseq.models import ARCH_MODEL_INV_REGISTRY, ARCH_MODEL_NAME_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+
+    name = "test_register_architecture_preset"
+
+    def preset(args):  # the base architecture's defaults: MLMHA off
+        args.preset_ran = True
+        ARCH_CONFIG_REGISTRY["slot_transformer"](args)
+
+    try:
+        assert mechanism_options.register_architecture("slot_transformer", name)(preset) is preset
+        assert ARCH_MODEL_REGISTRY[name] is MODEL_REGISTRY["slot_transformer"]
+        assert ARCH_MODEL_NAME_REGISTRY[name] == "slot_transformer" and name in ARCH_MODEL_INV_REGISTRY["slot_transformer"]
+        registered = ARCH_CONFIG_REGISTRY[name]
+        args = argparse.Namespace(**{mechanism_options._TYPED: {}})
+        registered(args)  # nothing typed: the preset runs, the note goes
+        assert args.preset_ran and not hasattr(args, mechanism_options._TYPED)
+        registered(argparse.Namespace())  # a checkpoint's arguments: no note at all
+        typed = argparse.Namespace(**{mechanism_options._TYPED: {"mlmha_bias": "--mlmha-bias"}})
+        with pytest.raises(UsageError, match="^--mlmha-bias needs"):
+            registered(typed)  # typed while MLMHA is off (the preset's defaults): refused
+    finally:
+        for registry in (ARCH_MODEL_REGISTRY, ARCH_MODEL_NAME_REGISTRY, ARCH_CONFIG_REGISTRY):
+            registry.pop(name, None)
+        if name in ARCH_MODEL_INV_REGISTRY["slot_transformer"]:
+            ARCH_MODEL_INV_REGISTRY["slot_transformer"].remove(name)
+
+
 def test_every_typed_option_is_noted_not_only_the_last():
     """Two options of a mechanism that is off, both typed at their defaults: the first one
     declared is refused, so the note kept the earlier one when the later one was typed."""
