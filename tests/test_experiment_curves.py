@@ -73,6 +73,22 @@ def test_the_report_says_why_each_run_stopped_its_last_attempt_counting(tmp_path
     assert curves.curve_report(runs)["seeds"]["Transformer (fairseq)"][1]["stopped_by"] == reason
 
 
+def test_an_attempt_bounded_below_the_cap_is_not_the_runs_stop(tmp_path):
+    """The runner's bounded attempts (a resumed run, grid.train) end by fairseq's --max-update
+    below the run's cap: the run is still training, or stopped later for another reason."""
+    runs = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 1000), str(tmp_path))
+    run = runs.runs[0]
+    write_log(run, [(200, 1.0, 7.0)])
+    log = run.path("logs", "train.log")
+    with open(log, "a") as out:
+        out.write("Stopping training due to num_updates: 400 >= max_update: 400\n")
+    assert curves.stop_reason(log, 1000) == curves.NOT_STOPPED
+    assert curves.stop_reason(log, 400) == "max_update"
+    with open(log, "a") as out:
+        out.write("Stopping training due to num_updates: 1000 >= max_update: 1000\n")
+    assert curves.stop_reason(log, 1000) == "max_update"
+
+
 def test_a_run_without_validations_yet_has_no_curve(tmp_path):
     runs = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 10), str(tmp_path))
     assert curves.curve_report(runs)["curves"] == {}

@@ -7,6 +7,7 @@ where the final checkpoints of runs that stopped at different updates do not: it
 last validation that every run of the grid reached and reports each system's mean ± sd of
 validation BLEU there.
 """
+import re
 from typing import Dict, List, Optional, Tuple
 
 from mlmha_fairseq.evaluation.plotting import plot_learning_curves
@@ -27,14 +28,23 @@ STOPS = (("early stop since valid performance hasn't improved", "patience"),
 NOT_STOPPED = "not stopped (training, or killed)"
 
 
-def stop_reason(log_path: str) -> str:
-    """Why a run's fairseq-train stopped: ``patience``, ``max_update``, the time limit, or
-    ``failed: <error>``; :data:`NOT_STOPPED` when its log records no stop."""
+# the stop at the end of an attempt that the runner bounded below the cap (grid.train) is not
+# the run's: the next attempt resumes from it
+BOUNDED_ATTEMPT = re.compile(r"Stopping training due to num_updates: \d+ >= max_update: (\d+)")
+
+
+def stop_reason(log_path: str, max_update: int) -> str:
+    """Why a run's fairseq-train stopped: ``patience``, ``max_update`` (the run's cap, not an
+    attempt's bound), the time limit, or ``failed: <error>``; :data:`NOT_STOPPED` when its log
+    records no stop."""
     try:
         with open(log_path, errors="replace") as log:
             text = log.read()
     except OSError:
         return NOT_STOPPED
+    for bound in reversed(list(BOUNDED_ATTEMPT.finditer(text))):
+        if int(bound.group(1)) < max_update:
+            text = text[:bound.start()] + text[bound.end():]
     found = max(((text.rfind(marker), reason) for marker, reason in STOPS), default=(-1, ""))
     if found[0] < 0:
         return NOT_STOPPED
@@ -78,7 +88,7 @@ def curve_report(grid: Grid) -> Dict:
             best_update, best = max(run_curve["bleu"], key=lambda point: (point[1], -point[0]))
             run = next(r for r in grid.runs if r.system.name == name and r.seed == seed)
             log = run.path("logs", "train.log")
-            seeds[name][seed] = {"stopped_at": last_update(log), "stopped_by": stop_reason(log),
+            seeds[name][seed] = {"stopped_at": last_update(log), "stopped_by": stop_reason(log, grid.settings.max_update),
                                  "finished": run.finished, "best_bleu": best, "best_update": best_update, "validations": len(run_curve["bleu"])}
     update = matched_update(curves)
     matched = {name: [dict(run["bleu"])[update] for run in runs.values()] for name, runs in curves.items()
