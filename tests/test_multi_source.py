@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from fairseq import options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_CONFIG_REGISTRY
 
 from fairseq_helpers import (
@@ -16,6 +17,7 @@ from fairseq_helpers import (
     NORMS,
     TINY_MODEL_ARGS,
     USER_DIR,
+    VOCAB,
     binarize_n_way,
     build_model,
     generate,
@@ -26,12 +28,18 @@ from fairseq_helpers import (
     train_args,
     write_n_way_text,
 )
+from fixtures.tiny_fairseq import save_checkpoint
 from mlmha_fairseq.cli import multi_source_attention
 from mlmha_fairseq.data.multi_source_dataset import DataError, derangement
 from mlmha_fairseq.evaluation.attention_statistics import recording_attention
 from mlmha_fairseq.evaluation.multi_source_attention import record, recorded_attentions, sublayer_weights
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.models.multi_source import ImageFeatureEncoder, combination_modules
+from mlmha_fairseq.models.multi_source import (
+    ImageFeatureEncoder,
+    MultiSourceHubInterface,
+    MultiSourceTransformerModel,
+    combination_modules,
+)
 from mlmha_fairseq.modules.input_combination import COMBINATIONS, STRATEGIES, build_input_combination
 from mlmha_fairseq.tasks.multi_source_translation import MultiSourceTranslationTask
 
@@ -679,6 +687,25 @@ def test_pretrained_embeddings_are_loaded_into_every_matrix(tmp_path):
             torch.testing.assert_close(weight[index], torch.full((D,), value))
 
 
+def test_shared_embeddings_are_filled_from_the_encoder_embedding_file(tmp_path):
+    """With ``--share-all-embeddings`` the one matrix is filled from ``--encoder-embed-path``,
+    which ``--decoder-embed-path`` may repeat; another decoder file is refused at build time,
+    since the decoder would not read it."""
+    dictionary = toy_dictionary()
+    rows = write_embeddings(tmp_path / "shared.txt", dictionary, 100.0)
+    write_embeddings(tmp_path / "decoder.txt", dictionary, -100.0)
+    shared = ["--share-all-embeddings", "--encoder-embed-path", tmp_path / "shared.txt"]
+    model, _ = build_multi_source(["a", "b"], *shared, "--decoder-embed-path", tmp_path / "shared.txt",
+                                  dictionary=dictionary)
+    assert model.decoder.embed_tokens is model.encoder.encoders[0].embed_tokens
+    for index, value in rows.items():
+        torch.testing.assert_close(model.decoder.embed_tokens.weight[index], torch.full((D,), value))
+    with pytest.raises(UsageError, match=re.escape(f"--decoder-embed-path {tmp_path / 'decoder.txt'}: with "
+                                                   "--share-all-embeddings the decoder")):
+        build_multi_source(["a", "b"], *shared, "--decoder-embed-path", tmp_path / "decoder.txt",
+                           dictionary=dictionary)
+
+
 def pruning_args(sources, encoder_keep, decoder_keep, *extra, image_sources=()):
     """The options of a model loaded with fairseq-generate's ``--model-overrides
     "{'encoder_layers_to_keep': '0,2', ...}"`` (strings, as the overrides give them)."""
@@ -728,6 +755,53 @@ def test_pruning_is_refused_for_weights_sized_by_the_number_of_layers():
     with pytest.raises(UsageError, match=r"--encoder-layers-to-keep: encoder\.encoders\.0\..* has a size per "
                                          r"number of layers"):
         pruned.load_state_dict(whole.state_dict(), strict=True, model_cfg=args)
+
+
+def test_decoder_pruning_is_refused_for_decoder_weights_sized_by_the_number_of_layers():
+    """MLRF's decoder fusion reads every decoder layer (its FFN input and its layer table have a
+    size per layer): pruning the decoder alone is refused in one line naming the option, as
+    pruning the encoders is."""
+    whole, _ = build_multi_source(["a", "b"], "--mlrf-decoder-fusion", "fnn")
+    args = pruning_args(["a", "b"], None, "1", "--mlrf-decoder-fusion", "fnn")
+    pruned, _ = build_multi_source(["a", "b"], args=args)
+    with pytest.raises(UsageError, match=r"--decoder-layers-to-keep: decoder\.output_fusion\..* has a size per "
+                                         r"number of layers"):
+        pruned.load_state_dict(whole.state_dict(), strict=True, model_cfg=args)
+
+
+def test_layers_to_keep_in_args_prune_as_in_model_cfg():
+    """fairseq's ``load_state_dict`` still takes the options as a Namespace (``args``, its
+    deprecated form of ``model_cfg``): the kept layers are loaded, renumbered, just the same."""
+    whole, _ = build_multi_source(["a", "b"])
+    args = pruning_args(["a", "b"], "2", "1")
+    pruned, _ = build_multi_source(["a", "b"], args=args)
+    pruned.load_state_dict(whole.state_dict(), strict=True, args=args)
+    pairs = [(pruned.encoder.encoders[k].layers, whole.encoder.encoders[k].layers[2]) for k in (0, 1)]
+    pairs.append((pruned.decoder.layers, whole.decoder.layers[1]))
+    for kept, expected in pairs:
+        assert len(kept) == 1
+        for (name, weight), (_, value) in zip(kept[0].state_dict().items(), expected.state_dict().items()):
+            assert torch.equal(weight, value), name
+
+
+def test_loading_weights_is_strict_unless_asked_otherwise():
+    """As any torch module: a state dict that lacks a weight of the model is refused by default
+    and with ``strict=True``; ``strict=False`` loads the weights it has and keeps the others."""
+    torch.manual_seed(0)
+    source, _ = build_multi_source(["a", "b"])
+    torch.manual_seed(1)
+    model, _ = build_multi_source(["a", "b"])
+    missing = "decoder.layers.0.fc1.weight"
+    state = {key: value for key, value in source.state_dict().items() if key != missing}
+    kept = model.state_dict()[missing].clone()
+    for strict in ({}, {"strict": True}):
+        with pytest.raises(RuntimeError, match=re.escape(missing)):
+            model.load_state_dict(state, **strict)
+    model.load_state_dict(state, strict=False)
+    loaded = model.state_dict()
+    assert torch.equal(loaded[missing], kept) and not torch.equal(kept, source.state_dict()[missing])
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
 
 
 @pytest.mark.parametrize("options_, message", [
@@ -953,6 +1027,60 @@ def test_training_stops_before_the_first_update_on_misaligned_data(n_way_bin, tm
     assert result.returncode != 0
     assert "valid.img.npy has 15 rows" in result.stderr
     assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+# --- the hub interface (from_pretrained) ----------------------------------------------------
+
+def saved_multi_source_model(checkpoint, data, dictionary, sources=("s1", "s2")):
+    """A tiny multi-source model saved as fairseq's trainer saves it (``checkpoint``), and the
+    dictionaries of its task in ``data``; returns the model."""
+    data.mkdir(exist_ok=True)
+    for lang in (*sources, "tgt"):
+        dictionary.save(str(data / f"dict.{lang}.txt"))
+    args = multi_source_args(list(sources))
+    model, _ = build_multi_source(list(sources), args=args, dictionary=dictionary)
+    checkpoint.parent.mkdir(exist_ok=True)
+    save_checkpoint(checkpoint, convert_namespace_to_omegaconf(args), model)
+    return model
+
+
+def test_from_pretrained_reads_model_pt_and_the_dictionaries_beside_it(tmp_path):
+    """``from_pretrained(directory)``: the checkpoint ``model.pt`` and the data (dictionaries) of
+    that directory, as fairseq's hub reads a model archive; the hub's model has the saved weights,
+    and its ``encode`` turns a line of tab-separated sources into the packed row of their token
+    ids (each source ended by EOS, the primary source first)."""
+    dictionary = toy_dictionary()
+    model = saved_multi_source_model(tmp_path / "model.pt", tmp_path, dictionary)
+    hub = MultiSourceTransformerModel.from_pretrained(str(tmp_path))
+    assert isinstance(hub, MultiSourceHubInterface)
+    loaded = hub.models[0].state_dict()
+    assert loaded.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded[key], value), key
+    ids = [dictionary.index(w) for w in ("w1", "w2")] + [dictionary.eos(), dictionary.index("w3"), dictionary.eos()]
+    assert hub.encode("w1 w2\tw3").tolist() == ids
+
+
+def test_hub_interface_encodes_with_its_bpe_and_decodes_as_the_saved_model(tmp_path):
+    """``from_pretrained(models, checkpoint, data, **overrides)``: the data directory is the one
+    given, the overrides reach the hub (here ``bpe="characters"``, so ``encode`` splits every
+    source into characters), and generation scores the line as the model that was saved does."""
+    space = "\u2581"  # fairseq's characters BPE writes a space as this symbol
+    dictionary = toy_dictionary([*VOCAB, "a", "b", "c", space])
+    model = saved_multi_source_model(tmp_path / "models" / "checkpoint_best.pt", tmp_path / "data", dictionary)
+    hub = MultiSourceTransformerModel.from_pretrained(str(tmp_path / "models"), "checkpoint_best.pt",
+                                                      str(tmp_path / "data"), bpe="characters")
+    line = "ab c\tc a"
+    row = hub.encode(line)
+    eos = dictionary.eos_word
+    assert [dictionary[i] for i in row] == ["a", "b", space, "c", eos, "c", space, "a", eos]
+    reference = MultiSourceHubInterface(hub.cfg, hub.task, [model])
+    decoding = dict(beam=2, max_len_a=0, max_len_b=4)
+    got, = hub.generate([row], **decoding)
+    expected, = reference.generate([reference.encode(line)], **decoding)
+    assert got[0]["tokens"].tolist() == expected[0]["tokens"].tolist()
+    torch.testing.assert_close(got[0]["positional_scores"], expected[0]["positional_scores"])
+    assert hub.translate(line, **decoding) == reference.translate(line, **decoding)
 
 
 # --- command-line round trips -------------------------------------------------------
