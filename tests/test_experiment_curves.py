@@ -136,32 +136,31 @@ def test_a_run_stops_once_validation_bleu_has_not_improved_for_patience_evaluati
 
 
 def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path):
-    """fairseq-train counts --patience afresh after a resume; the runner bounds the resumed
-    attempt so that it stops where an uninterrupted run would have: ``patience`` validations
-    after the best of all its attempts."""
+    """fairseq-train counts --patience afresh after a resume; the runner stops the resumed run
+    where an uninterrupted one would have stopped: ``patience`` validations after the best of
+    all its attempts, once the last one's checkpoint is saved."""
     work, config = tmp_path / "work", tmp_path / "grid.toml"
-    config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 200\nwarmup_updates = 10")
-                      .replace("validate_every = 4", "validate_every = 10")
+    config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 400\nwarmup_updates = 10")
+                      .replace("validate_every = 4", "validate_every = 25")
                       .format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
     run_dir = work / "runs" / "transformer--fairseq" / "seed1"
     log = run_dir / "logs" / "train.log"
-    # the first attempt: one validation, at update 10, then stopped (here by a smaller cap)
-    assert experiment.main([str(config), "--max-update", "10", "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    # the first attempt: one validation, at update 25, then stopped (here by a smaller cap)
+    assert experiment.main([str(config), "--max-update", "25", "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     (run_dir / "train.done").unlink()
     (run_dir / "scores.json").unlink()
-    # its BLEU made unbeatable: the next attempt must end two validations later, at update 30,
-    # where fairseq's own count (from update 20, its first validation) could not stop it
+    # its BLEU made unbeatable: the next attempt must stop two validations later, at update 75,
+    # where fairseq's own count (from update 50, its first validation) cannot stop it yet
     first = log.read_text()
     assert first.count('"valid_bleu"') == 1
     log.write_text(re.sub(r'"valid_bleu": "[0-9.]+"', '"valid_bleu": "100.0"', first))
 
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
-    assert (seed["best_update"], seed["stopped_at"], seed["validations"]) == (10, 30, 3)
+    assert (seed["best_update"], seed["stopped_at"], seed["validations"]) == (25, 75, 3)
     assert seed["stopped_by"] == "patience (over the attempts, counted by the runner)"
-    assert grid.last_update(str(log)) == 30
-    trainings = (work / "commands.log").read_text().count("fairseq_cli.train")
-    assert trainings == 2 and "--max-update 30 " in (work / "commands.log").read_text()
+    assert list((run_dir / "checkpoints").glob("checkpoint_*_75.pt"))  # saved before the stop
+    assert (work / "commands.log").read_text().count("fairseq_cli.train") == 2
 
 
 def test_validations_since_best_counts_after_the_first_of_equal_bests(tmp_path):

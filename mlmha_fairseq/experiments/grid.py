@@ -31,6 +31,7 @@ from mlmha_fairseq.evaluation.text_io import read_lines, write_text
 logger = logging.getLogger("mlmha_fairseq.experiment")
 USER_DIR = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
 POLL_SECONDS = 20
+STOP_CHECK_SECONDS = 1  # how often a run's ``stop_when`` is asked (it reads the run's log)
 UPDATE_CHECKPOINT = r"checkpoint_\d+_(\d+)\.pt"  # fairseq's name of the checkpoint after update N
 
 MODEL = SIZES["demo"].options()  # the demo's model: d=128, 3+3 layers
@@ -86,10 +87,12 @@ def failure_line(log_text: str) -> str:
 
 
 def run_command(command: List[str], log_path: str, work_dir: str,
-                on_poll: Optional[Callable[[], None]] = None, env: Optional[Dict[str, str]] = None) -> None:
+                on_poll: Optional[Callable[[], None]] = None, env: Optional[Dict[str, str]] = None,
+                stop_when: Optional[Callable[[], bool]] = None) -> None:
     """Run ``command`` (``env``: added to its environment) with its output into ``log_path``,
     print and record it in ``<work_dir>/commands.log``; ``on_poll`` is called every
-    POLL_SECONDS while it runs.
+    POLL_SECONDS while it runs. Once ``stop_when()`` is true (asked every STOP_CHECK_SECONDS)
+    the command is stopped (SIGTERM) and counts as done.
     Raises :class:`RunFailed` when it fails: the first line says which tool failed and the
     last line of its log (e.g. fairseq's one-line error), then the command and the log's tail."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
@@ -102,13 +105,20 @@ def run_command(command: List[str], log_path: str, work_dir: str,
     with open(log_path, "a") as log:  # a resumed run adds to its log
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent,
                                    env={**os.environ, **env} if env else None)
+        polled = time.time()
         while True:
             try:
-                returncode = process.wait(timeout=POLL_SECONDS)
+                returncode = process.wait(timeout=STOP_CHECK_SECONDS if stop_when else POLL_SECONDS)
                 break
             except subprocess.TimeoutExpired:
-                if on_poll:
+                if stop_when and stop_when():
+                    process.terminate()
+                    process.wait()
+                    returncode = 0
+                    break
+                if on_poll and time.time() - polled >= POLL_SECONDS:
                     on_poll()
+                    polled = time.time()
     if returncode != 0:
         with open(log_path, errors="replace") as log:
             text = log.read()
@@ -272,45 +282,46 @@ def validations_since_best(log_path: str, until: float = float("inf")) -> int:
     return len(values) - 1 - values.index(max(values)) if values else 0
 
 
+def converged_over_attempts(log_path: str, patience: int, until: float = float("inf")) -> bool:
+    """Whether a run's log (all its attempts, up to update ``until``) shows ``patience``
+    validations without a gain in BLEU, the last one's checkpoint saved (fairseq logs "Saved
+    checkpoint" once every copy is written), so that stopping the run there loses nothing."""
+    if validations_since_best(log_path, until) < patience:
+        return False
+    with open(log_path, errors="replace") as log:
+        text = log.read()
+    return text.rfind("Saved checkpoint") > text.rfind('"valid_bleu"')
+
+
 def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     """fairseq-train into ``run.checkpoints``; fairseq restores ``checkpoint_last.pt`` there
     when a previous attempt was stopped. Keeps the last update checkpoints for averaging.
 
     With ``[convergence]``, a resumed fairseq-train would count ``--patience`` afresh from its
-    own first validation (fairseq keeps no count in checkpoints), and stop later than an
-    uninterrupted run. So a resumed run is trained in bounded attempts instead: each ends
-    (``--max-update``) at the validation where the count over the whole log would reach
-    ``patience`` without a gain; the run is converged when its log shows that count, and
-    resumed again from there when a gain came first. Only a run trained from its start is
-    stopped by fairseq's own count, which is then the same."""
+    own first validation (fairseq keeps no count in checkpoints) and stop later than an
+    uninterrupted run whose best came before the interruption. So the runner counts over the
+    whole log: a resumed run is stopped (its stop recorded in the log as CONVERGED) once the
+    log shows ``patience`` validations without a gain and the last one's checkpoint, within
+    STOP_CHECK_SECONDS, long before its next validation; it is not started at all when the
+    log already shows them. (Bounding the attempt with ``--max-update`` instead would change
+    the schedules that fairseq derives from it: cosine, tri-stage, polynomial decay.) A run
+    trained from its start is stopped by fairseq's own count, which is then the same."""
     interval = (settings.convergence.validate_every if settings.convergence
                 else settings.save_interval_updates or max(1, settings.max_update // 4))
+    done = usable_last_checkpoint(run)
+    if done >= settings.max_update:
+        # fairseq-train steps before it checks --max-update, so restarting it here would train
+        # one update past the budget (a runner stopped after training, before train.done)
+        logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
+        write_text(run.path("train.done"), "")
+        return
     log_path = run.path("logs", "train.log")
-    while True:
-        done = usable_last_checkpoint(run)
-        if done >= settings.max_update:
-            # fairseq-train steps before it checks --max-update, so restarting it here would
-            # train one update past the budget (a runner stopped after training, before train.done)
-            logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
-            break
-        limit = settings.max_update
-        if settings.convergence and done:
-            # validations after the checkpoint (a run stopped before its save) are done again
-            spent = validations_since_best(log_path, until=done)
-            if spent >= settings.convergence.patience:
-                logger.info("  %s: %s %d validations", run.name, CONVERGED, spent)
-                with open(log_path, "a") as log:  # the run's stop, where the curve report reads it
-                    log.write(f"[experiment] {CONVERGED} {spent} validations\n")
-                break
-            limit = min(limit, done + (settings.convergence.patience - spent) * interval)
-        train_attempt(run, settings, work_dir, limit, interval, on_poll)
-        if limit == settings.max_update or last_update(log_path) < limit:
-            break  # trained to the cap, or stopped by itself (fairseq's patience, a time limit)
-    write_text(run.path("train.done"), "")
-
-
-def train_attempt(run: Run, settings: Settings, work_dir: str, max_update: int, interval: int, on_poll) -> None:
-    """One fairseq-train of ``run`` up to ``max_update`` (or its own stop)."""
+    resumed_to_converge = bool(settings.convergence and done)
+    # validations the log records after the checkpoint (a run stopped before its save) are done again
+    if resumed_to_converge and converged_over_attempts(log_path, settings.convergence.patience, until=done):
+        record_convergence(run, "not trained again")
+        return
+    stop_when = (lambda: converged_over_attempts(log_path, settings.convergence.patience)) if resumed_to_converge else None
     system = run.system
     run_command(fairseq(
         "train", settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
@@ -320,14 +331,29 @@ def train_attempt(run: Run, settings: Settings, work_dir: str, max_update: int, 
         "--lr-scheduler", "inverse_sqrt",
         "--warmup-updates", settings.warmup_updates or max(1, settings.max_update // 5),
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        settings.batching.option, settings.batching.size, "--max-update", max_update,
+        settings.batching.option, settings.batching.size, "--max-update", settings.max_update,
         "--save-dir", run.checkpoints, "--no-epoch-checkpoints",
         "--save-interval-updates", interval, "--keep-interval-updates", max(1, settings.average_last),
         "--seed", run.seed, *settings.device_args, "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
         *settings.convergence_options(),
         *settings.train_args,
         *system.options,  # last: a system may replace the criterion
-    ), run.path("logs", "train.log"), work_dir, on_poll, settings.env)
+    ), log_path, work_dir, on_poll, settings.env, stop_when)
+    if stop_when and stop_when():
+        record_convergence(run, "stopped")
+    else:
+        write_text(run.path("train.done"), "")
+
+
+def record_convergence(run: Run, action: str) -> None:
+    """Mark a run converged by the runner's count: in its log, where the curve report reads
+    the stop, and by ``train.done``."""
+    log_path = run.path("logs", "train.log")
+    spent = validations_since_best(log_path)
+    logger.info("  %s: %s %d validations: %s", run.name, CONVERGED, spent, action)
+    with open(log_path, "a") as log:
+        log.write(f"[experiment] {CONVERGED} {spent} validations\n")
+    write_text(run.path("train.done"), "")
 
 
 def checkpoint_to_decode(run: Run, settings: Settings) -> str:
