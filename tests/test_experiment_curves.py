@@ -73,9 +73,9 @@ def test_the_report_says_why_each_run_stopped_its_last_attempt_counting(tmp_path
     assert curves.curve_report(runs)["seeds"]["Transformer (fairseq)"][1]["stopped_by"] == reason
 
 
-def test_an_attempt_bounded_below_the_cap_is_not_the_runs_stop(tmp_path):
-    """The runner's bounded attempts (a resumed run, grid.train) end by fairseq's --max-update
-    below the run's cap: the run is still training, or stopped later for another reason."""
+def test_an_attempt_trained_to_a_lower_cap_is_not_the_runs_stop(tmp_path):
+    """An attempt trained to a lower cap (``--max-update`` given once) and resumed with the
+    config's: that stop is not the run's, which is still training or stopped later."""
     runs = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 1000), str(tmp_path))
     run = runs.runs[0]
     write_log(run, [(200, 1.0, 7.0)])

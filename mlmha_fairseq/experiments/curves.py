@@ -28,14 +28,14 @@ STOPS = (("early stop since valid performance hasn't improved", "patience"),
 NOT_STOPPED = "not stopped (training, or killed)"
 
 
-# the stop at the end of an attempt that the runner bounded below the cap (grid.train) is not
-# the run's: the next attempt resumes from it
+# the stop of an attempt trained to a lower cap (the runner's --max-update, given once) is not
+# the run's when a later attempt resumes it with a higher one
 BOUNDED_ATTEMPT = re.compile(r"Stopping training due to num_updates: \d+ >= max_update: (\d+)")
 
 
 def stop_reason(log_path: str, max_update: int) -> str:
     """Why a run's fairseq-train stopped: ``patience``, ``max_update`` (the run's cap, not an
-    attempt's bound), the time limit, or ``failed: <error>``; :data:`NOT_STOPPED` when its log
+    earlier attempt's lower one), the time limit, or ``failed: <error>``; :data:`NOT_STOPPED` when its log
     records no stop."""
     try:
         with open(log_path, errors="replace") as log:
