@@ -89,6 +89,22 @@ def test_an_attempt_trained_to_a_lower_cap_is_not_the_runs_stop(tmp_path):
     assert curves.stop_reason(log, 1000) == "max_update"
 
 
+def test_a_finished_run_whose_log_shows_the_patience_spent_was_stopped_by_the_runner(tmp_path):
+    """Logs of runner versions that marked such a run finished without writing CONVERGED."""
+    settings = grid.Settings("bin", "en", 1000, convergence=grid.Convergence(200, 2))
+    run = grid.Grid([systems.lookup("transformer")], [1], settings, str(tmp_path)).runs[0]
+    write_log(run, [(200, 1.0, 7.0), (400, 3.0, 6.0), (600, 2.0, 5.9)])
+    assert curves.run_stop(run, settings) == curves.NOT_STOPPED  # one validation without gain
+    for name in ("scores.json", "hypotheses.txt"):
+        with open(run.path(name), "w") as out:
+            out.write("{}")
+    assert curves.run_stop(run, settings) == curves.NOT_STOPPED  # finished, patience not spent
+    write_log(run, [(200, 1.0, 7.0), (400, 3.0, 6.0), (600, 2.0, 5.9), (800, 2.5, 5.8)])
+    assert curves.run_stop(run, settings) == "patience (over the attempts, counted by the runner)"
+    no_convergence = grid.Settings("bin", "en", 1000)
+    assert curves.run_stop(run, no_convergence) == curves.NOT_STOPPED
+
+
 def test_a_run_without_validations_yet_has_no_curve(tmp_path):
     runs = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 10), str(tmp_path))
     assert curves.curve_report(runs)["curves"] == {}

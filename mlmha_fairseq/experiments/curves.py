@@ -14,7 +14,7 @@ from mlmha_fairseq.evaluation.plotting import plot_learning_curves
 from mlmha_fairseq.evaluation.replicates import mean_sd_text
 from mlmha_fairseq.evaluation.text_io import InputError, write_json, write_text
 from mlmha_fairseq.evaluation.training_curves import read_log_curves
-from mlmha_fairseq.experiments.grid import CONVERGED, Grid, Run, failure_line, last_update
+from mlmha_fairseq.experiments.grid import CONVERGED, Grid, Run, Settings, failure_line, last_update, validations_since_best
 
 STATS = (("bleu", "validation BLEU"), ("loss", "validation loss"))
 Curve = List[Tuple[float, float]]
@@ -49,6 +49,18 @@ def stop_reason(log_path: str, max_update: int) -> str:
     if found[0] < 0:
         return NOT_STOPPED
     return f"failed: {failure_line(text)}" if found[1] == "failed" else found[1]
+
+
+def run_stop(run: Run, settings: Settings) -> str:
+    """:func:`stop_reason` of a run; a finished run whose log records no stop but shows the
+    patience spent was stopped by the runner before it wrote CONVERGED into logs (earlier
+    versions)."""
+    log = run.path("logs", "train.log")
+    reason = stop_reason(log, settings.max_update)
+    if (reason == NOT_STOPPED and run.finished and settings.convergence
+            and validations_since_best(log) >= settings.convergence.patience):
+        return dict(STOPS)[CONVERGED]
+    return reason
 
 
 def run_curves(run: Run) -> Dict[str, Curve]:
@@ -88,7 +100,7 @@ def curve_report(grid: Grid) -> Dict:
             best_update, best = max(run_curve["bleu"], key=lambda point: (point[1], -point[0]))
             run = next(r for r in grid.runs if r.system.name == name and r.seed == seed)
             log = run.path("logs", "train.log")
-            seeds[name][seed] = {"stopped_at": last_update(log), "stopped_by": stop_reason(log, grid.settings.max_update),
+            seeds[name][seed] = {"stopped_at": last_update(log), "stopped_by": run_stop(run, grid.settings),
                                  "finished": run.finished, "best_bleu": best, "best_update": best_update, "validations": len(run_curve["bleu"])}
     update = matched_update(curves)
     matched = {name: [dict(run["bleu"])[update] for run in runs.values()] for name, runs in curves.items()
