@@ -1,4 +1,6 @@
 """The slot model with every slot at its default is fairseq's transformer."""
+import collections
+import logging
 import sys
 import types
 
@@ -17,7 +19,7 @@ from fairseq_helpers import (
 )
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.models import slots
-from mlmha_fairseq.models.slot_transformer import SlotTransformerModel
+from mlmha_fairseq.models.slot_transformer import SlotTransformerModel, recorded_options
 
 NORMALIZATION = {
     "post-norm": [],
@@ -732,3 +734,44 @@ def test_decoder_self_attention_builder_keeps_fairseqs_signature():
     asked = layer.build_self_attention(dim, ours.cfg, add_bias_kv=True, add_zero_attn=True)
     assert asked.bias_k is not None and asked.add_zero_attn
 
+
+
+MLMHA = ("--decoder-cross-attention", "multi-layer", "--mlmha-variant")
+
+
+def test_a_state_dict_records_the_options_that_give_its_weights_their_meaning():
+    """The package's options go into the state dict's metadata, as plain data (another value
+    as its text), without adding a tensor; options read only at inference (ablations that
+    ``--model-overrides`` sets) are not recorded."""
+    model = build_model("slot_transformer", *MLMHA, "M-10")
+    model.args.dc_encoder_layers = ("1", "2")  # not plain data
+    state = model.state_dict()
+    assert set(state) == set(build_model("slot_transformer", *MLMHA, "M-10").state_dict())
+    recorded = recorded_options(state)
+    assert recorded["decoder_cross_attention"] == "multi-layer" and recorded["mlmha_variant"] == "M-10"
+    assert recorded["mlmha_bias"] is False and recorded["dc_encoder_layers"] == "('1', '2')"
+    assert {"mlmha_mask_encoder_layer", "mlmha_mask_mode"}.isdisjoint(recorded)
+    assert recorded_options(collections.OrderedDict(state)) is None  # a copy keeps no metadata
+    bare = collections.OrderedDict()
+    bare._metadata = collections.OrderedDict()  # metadata without the model's own entry
+    assert recorded_options(bare) is None
+
+
+def test_loading_weights_trained_with_other_options_warns_once_naming_them(caplog):
+    """An M-10 state dict loads into an M-00 model (same shapes, another meaning): one warning
+    names the option, its value and the checkpoint's; none for the same options or for a
+    state dict that recorded none."""
+    m10, m00 = build_model("slot_transformer", *MLMHA, "M-10"), build_model("slot_transformer", *MLMHA, "M-00")
+
+    def warnings_loading(model, state):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            model.load_state_dict(state)
+        return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+
+    warned = warnings_loading(m00, m10.state_dict())
+    assert len(warned) == 1
+    assert warned[0].startswith("the checkpoint was trained with other options of this package: "
+                                "--mlmha-variant M-00 (checkpoint: M-10); ")
+    assert warnings_loading(m10, m10.state_dict()) == []
+    assert warnings_loading(m00, collections.OrderedDict(m10.state_dict())) == []
