@@ -775,3 +775,74 @@ def test_loading_weights_trained_with_other_options_warns_once_naming_them(caplo
                                 "--mlmha-variant M-00 (checkpoint: M-10); ")
     assert warnings_loading(m10, m10.state_dict()) == []
     assert warnings_loading(m00, collections.OrderedDict(m10.state_dict())) == []
+
+
+def dlcl_encoders_selecting_the_layer_below(return_fc=False):
+    """fairseq's encoder and the DLCL slot encoder (post-norm) with fairseq's weights, each
+    DLCL row putting all its weight on the layer just below: then every layer reads the
+    LayerNorm of the previous layer's output, itself a LayerNorm's output (so the same up
+    to LayerNorm's eps), and the DLCL encoder computes fairseq's plain stack."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    reference = build_model("transformer", dictionary=dictionary).eval()
+    ours = build_model("slot_transformer", "--dlcl-encoder", dictionary=dictionary).eval()
+    encoders = []
+    for model, encoder_class in ((reference, TransformerEncoderBase), (ours, type(ours.encoder))):
+        encoder = encoder_class(model.cfg, dictionary, model.encoder.embed_tokens, return_fc=return_fc).eval()
+        encoder.load_state_dict(reference.encoder.state_dict(), strict=False)
+        encoders.append(encoder)
+    assert encoders[1].layer_inputs is not None
+    with torch.no_grad():
+        for row in encoders[1].layer_inputs.weights:
+            row.zero_()
+            row[-1] = 1.0
+    return dictionary, encoders[0], encoders[1]
+
+
+@pytest.mark.parametrize("left_pad", [True, False, None], ids=["left-pad", "right-pad", "no-pad"])
+@pytest.mark.parametrize("given_embeddings", [False, True], ids=["looked-up", "token-embeddings"])
+def test_dlcl_encoder_returns_fairseqs_outputs_when_it_combines_only_the_layer_below(left_pad, given_embeddings):
+    """The DLCL encoder writes fairseq's layer loop out again: with weights that select the
+    layer below it returns what fairseq's encoder returns for the same batch (padded or not,
+    with precomputed ``token_embeddings`` or not): the output, every layer's state and
+    feed-forward result when asked, the padding mask, the embedding and ``src_lengths``
+    (int32, B x 1), including the padded positions."""
+    dictionary, reference, ours = dlcl_encoders_selecting_the_layer_below(return_fc=True)
+    src, lengths, _ = random_batch(dictionary, left_pad=bool(left_pad), batch_size=3)
+    if left_pad is None:
+        src = src[:, -4:].clone()
+        src[src.eq(dictionary.pad())] = dictionary.nspecial
+        lengths = torch.full_like(lengths, 4)
+        assert not src.eq(dictionary.pad()).any()
+    extra = {}
+    if given_embeddings:
+        extra["token_embeddings"] = torch.randn(src.size(0), src.size(1), 16,
+                                                generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference(src, lengths, return_all_hiddens=True, **extra)
+        got = ours(src, lengths, return_all_hiddens=True, **extra)
+    close = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got["encoder_out"][0], expected["encoder_out"][0], **close)
+    assert torch.equal(got["encoder_padding_mask"][0], expected["encoder_padding_mask"][0])
+    assert torch.equal(got["encoder_embedding"][0], expected["encoder_embedding"][0])
+    assert len(got["encoder_states"]) == len(expected["encoder_states"]) == len(ours.layers) + 1
+    for state, expected_state in zip(got["encoder_states"], expected["encoder_states"]):
+        torch.testing.assert_close(state, expected_state, **close)
+    assert len(got["fc_results"]) == len(expected["fc_results"]) == len(ours.layers)
+    for result, expected_result in zip(got["fc_results"], expected["fc_results"]):
+        torch.testing.assert_close(result, expected_result, **close)
+    got_lengths, expected_lengths = got["src_lengths"][0], expected["src_lengths"][0]
+    assert got_lengths.dtype == expected_lengths.dtype and torch.equal(got_lengths, expected_lengths)
+
+
+def test_dlcl_encoder_returns_layer_states_only_when_asked():
+    """As fairseq's ``forward_scriptable``, the DLCL encoder's returns no layer states or
+    feed-forward results unless ``return_all_hiddens`` is given."""
+    dictionary, reference, ours = dlcl_encoders_selecting_the_layer_below()
+    src, lengths, _ = random_batch(dictionary)
+    with torch.no_grad():
+        expected = reference.forward_scriptable(src, lengths)
+        got = ours.forward_scriptable(src, lengths)
+    assert got["encoder_states"] == expected["encoder_states"] == []
+    assert got["fc_results"] == expected["fc_results"] == []
+    torch.testing.assert_close(got["encoder_out"][0], expected["encoder_out"][0], atol=1e-4, rtol=1e-4)
