@@ -6,11 +6,15 @@ import types
 
 import pytest
 import torch
+from fairseq import options, tasks
 from fairseq.models.transformer import TransformerEncoderBase
+from omegaconf import OmegaConf
 
 from fairseq_helpers import (
     ALIGNMENT_OPTIONS,
     PRE_NORM,
+    TINY_MODEL_ARGS,
+    USER_DIR,
     assert_features_match_with_alignment_options,
     assert_incremental_matches_full,
     build_model,
@@ -846,3 +850,29 @@ def test_dlcl_encoder_returns_layer_states_only_when_asked():
     assert got["encoder_states"] == expected["encoder_states"] == []
     assert got["fc_results"] == expected["fc_results"] == []
     torch.testing.assert_close(got["encoder_out"][0], expected["encoder_out"][0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_hydra_model_config_builds_the_model_it_describes_and_is_checked():
+    """``build_model`` takes fairseq-hydra-train's ``DictConfig``: the model is built with the
+    config's options (sizes, a mechanism switched on), a mechanism option set while its
+    mechanism is off is refused as it is on the command line, and an option the model does
+    not have is refused naming it."""
+    dictionary = toy_dictionary()
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "unused-data-dir", "--task", "translation", "--user-dir", USER_DIR,
+        "--arch", "slot_transformer", *TINY_MODEL_ARGS])
+    task = tasks.translation.TranslationTask(args, dictionary, dictionary)
+    sizes = {"encoder_embed_dim": 16, "decoder_embed_dim": 16, "encoder_ffn_embed_dim": 32,
+             "decoder_ffn_embed_dim": 32, "encoder_attention_heads": 2, "decoder_attention_heads": 2}
+    cfg = OmegaConf.create({"_name": "slot_transformer", "encoder_layers": 2, "decoder_layers": 1,
+                            "dlcl_encoder": True, **sizes})
+    model = SlotTransformerModel.build_model(cfg, task)
+    assert isinstance(model, SlotTransformerModel)
+    assert len(model.encoder.layers) == 2 and len(model.decoder.layers) == 1
+    assert model.encoder.layer_inputs is not None and model.encoder.embed_tokens.embedding_dim == 16
+    off = OmegaConf.create({"_name": "slot_transformer", "mlmha_variant": "M-10", **sizes})
+    with pytest.raises(UsageError, match=r"^--mlmha-variant M-10 needs --decoder-cross-attention multi-layer"):
+        SlotTransformerModel.build_model(off, task)
+    unknown = OmegaConf.create({"_name": "slot_transformer", "mlmha_varaint": "M-10"})
+    with pytest.raises(UsageError, match=r"^model.mlmha_varaint: not an option of SlotTransformerModel"):
+        SlotTransformerModel.build_model(unknown, task)
