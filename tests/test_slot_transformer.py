@@ -876,3 +876,40 @@ def test_a_hydra_model_config_builds_the_model_it_describes_and_is_checked():
     unknown = OmegaConf.create({"_name": "slot_transformer", "mlmha_varaint": "M-10"})
     with pytest.raises(UsageError, match=r"^model.mlmha_varaint: not an option of SlotTransformerModel"):
         SlotTransformerModel.build_model(unknown, task)
+
+
+def test_layer_and_encoder_slot_fillers_are_given_the_config_and_where_they_build(stage_slots, monkeypatch):
+    """A filler of the encoder layer's after-self-attention slot, the decoder layer's
+    feed-forward slot and the encoder's layer-inputs slot is called with the model's config
+    and where it builds: the layer index and width (and the decoder's layer context), or the
+    number of encoder layers."""
+    from mlmha_fairseq.models.slot_transformer import SlotTransformerDecoderLayer, SlotTransformerEncoderLayer
+
+    monkeypatch.setattr(slots.ENCODER_LAYER_INPUTS, "_fillers", dict(slots.ENCODER_LAYER_INPUTS._fillers))
+    seen = {}
+
+    def recorder(name):
+        def filler(cfg, **where):
+            seen[name] = (cfg, where)  # claims nothing: the layer stays fairseq's
+        return filler
+
+    slots.ENCODER_AFTER_SELF_ATTENTION.register("test")(recorder("encoder after self-attention"))
+    slots.DECODER_FEED_FORWARD.register("test")(recorder("decoder feed-forward"))
+    slots.ENCODER_LAYER_INPUTS.register("test")(recorder("encoder layer inputs"))
+    cfg = layer_config("post-norm")
+    SlotTransformerEncoderLayer(cfg, layer_idx=2)
+    assert seen["encoder after self-attention"] == (cfg, {"layer_idx": 2, "embed_dim": 16})
+    SlotTransformerDecoderLayer(cfg, layer_idx=1, test_context="a")
+    assert seen["decoder feed-forward"] == (cfg, {"layer_idx": 1, "embed_dim": 16, "test_context": "a"})
+    model = build_model("slot_transformer")
+    layer_inputs_cfg, where = seen["encoder layer inputs"]
+    assert where == {"num_layers": 3} and layer_inputs_cfg.encoder.layers == 3
+    assert model.encoder.layer_inputs is None
+
+
+def test_dlcl_with_a_mechanism_that_replaces_the_encoder_output_is_refused():
+    """DLCL's last row is the encoder output: a memory mechanism that replaces it too is
+    refused, naming both."""
+    with pytest.raises(ValueError, match=r"^the encoder output 'encoder_out' is written by several mechanisms "
+                                         r"\(--layer-aggregation s-agg, --dlcl-encoder\): choose one$"):
+        build_model("slot_transformer", "--dlcl-encoder", "--layer-aggregation", "s-agg")
