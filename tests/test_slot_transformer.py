@@ -913,3 +913,36 @@ def test_dlcl_with_a_mechanism_that_replaces_the_encoder_output_is_refused():
     with pytest.raises(ValueError, match=r"^the encoder output 'encoder_out' is written by several mechanisms "
                                          r"\(--layer-aggregation s-agg, --dlcl-encoder\): choose one$"):
         build_model("slot_transformer", "--dlcl-encoder", "--layer-aggregation", "s-agg")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_encoder_layer_attention_mask_outweighs_large_attention_scores_as_fairseqs(dtype):
+    """A masked position gets fairseq's additive mask (-1e8 in float32, -1e4 in half
+    precision, where -1e8 does not fit): with attention scores of the order of 1e5 a milder
+    mask would let masked positions through in float32, and the layer's output is fairseq's
+    in both precisions."""
+    from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
+
+    from mlmha_fairseq.models.slot_transformer import SlotTransformerEncoderLayer
+
+    cfg = layer_config("post-norm")
+    torch.manual_seed(0)
+    reference = TransformerEncoderLayerBase(cfg)
+    if dtype == torch.float32:
+        with torch.no_grad():  # scores q.k of the order of 1e5
+            reference.self_attn.q_proj.weight.mul_(300.0)
+            reference.self_attn.k_proj.weight.mul_(300.0)
+    ours = SlotTransformerEncoderLayer(cfg, layer_idx=0)
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    reference, ours = reference.eval().to(dtype), ours.eval().to(dtype)
+    x, _, _ = layer_inputs()
+    x = x.to(dtype)
+    padding = torch.zeros(x.size(1), x.size(0), dtype=torch.bool)
+    mask = torch.triu(torch.ones(x.size(0), x.size(0)), 1).to(dtype)
+    with torch.no_grad():
+        expected = reference(x, padding, attn_mask=mask)
+        got = ours(x, padding, attn_mask=mask)
+        causal_ours = ours(x[:2], padding[:, :2], attn_mask=mask[:2, :2])
+    assert torch.equal(got, expected)
+    if dtype == torch.float32:  # the first positions do not see the later ones
+        torch.testing.assert_close(got[:2], causal_ours)
