@@ -63,6 +63,19 @@ def test_rows_outside_the_stack_are_refused():
         module.combine([torch.zeros(LENGTH, BSZ, D)] * 4)
     with pytest.raises(ValueError, match="at least one layer"):
         DynamicLinearCombination(0, D, True)
+    assert len(DynamicLinearCombination(1, D, True).weights) == 2  # a one-layer stack: two rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_history_is_combined_in_its_own_precision(dtype):
+    """Under fairseq's --amp the weights stay fp32 while the layer outputs are half precision:
+    the weights are cast to the history's dtype, so the (pre-norm) combination stays in it
+    instead of being promoted to fp32."""
+    module = DynamicLinearCombination(2, D, normalize_before=True)
+    history = [torch.randn(LENGTH, BSZ, D).to(dtype) for _ in range(2)]
+    combined = module.combine(history)
+    assert combined.dtype == dtype
+    torch.testing.assert_close(combined, (history[0] + history[1]) / 2)
 
 
 @NORMS
