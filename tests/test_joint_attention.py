@@ -367,3 +367,26 @@ def test_layer_collection_is_on_for_mlmha_and_the_aggregations_only(args, on):
     transparent attention mixes all states and collects none; args without the options (a
     preset's before the defaults are filled) read as off."""
     assert COLLECTED_LAYERS.switch.is_on(argparse.Namespace(**args)) is on
+
+
+@pytest.mark.parametrize("joint, layer_specific", [("M-00", "M-10"), ("M-01", "M-11")])
+def test_the_variant_option_chooses_joint_or_layer_specific_weights(joint, layer_specific):
+    """``--mlmha-variant`` reaches the decoder's attention: with the same weights (the two
+    variants have the same parameters) a joint distribution over all collected layers' keys
+    gives other logits than one distribution per layer."""
+    dictionary = toy_dictionary()
+    torch.manual_seed(0)
+    models = [build_model("slot_transformer", "--decoder-cross-attention", "multi-layer", "--mlmha-variant", variant,
+                          dictionary=dictionary).eval() for variant in (joint, layer_specific)]
+    models[1].load_state_dict(models[0].state_dict())
+    src, lengths, prev = random_batch(dictionary)
+    with torch.no_grad():
+        logits = [model(src, lengths, prev)[0] for model in models]
+    assert not torch.allclose(logits[0], logits[1], atol=1e-4)
+
+
+def test_dlcl_over_a_one_layer_encoder_builds():
+    """DLCL needs one encoder layer, no more: its matrix is then 2 x 2 (the layer's input and
+    the encoder output)."""
+    model = build_model("slot_transformer", "--dlcl-encoder", "--encoder-layers", "1")
+    assert len(model.encoder.layer_inputs.weights) == 2

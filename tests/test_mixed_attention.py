@@ -7,7 +7,7 @@ import torch
 from fairseq.modules import MultiheadAttention
 
 from fairseq_helpers import NORMS, assert_round_trip, build_model, random_batch, toy_dictionary
-from mlmha_fairseq.models.mma import default_head_types
+from mlmha_fairseq.models.mma import default_head_types, parse_head_types
 from mlmha_fairseq.modules.mixed_attention import MixedMultiheadAttention, allowed_keys, head_masks
 
 D, HEADS = 16, 4
@@ -408,3 +408,10 @@ def test_train_generate_round_trip_and_attention_dump(data_bin, tmp_path):
     np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
     assert (np.tril(weights[1, 0], -1) == 0).all() and (np.triu(weights[1, 1], 1) == 0).all()
     assert (out / "line1.png").stat().st_size > 0 and (out / "line2.png").exists()
+
+
+def test_head_types_are_named_by_letter_or_by_name_in_any_case():
+    """``--mma-heads`` takes the paper's letters or the full names, case-insensitively."""
+    expected = ("G", "L", "F", "B")
+    assert parse_head_types("global,Local,FORWARD,backward", 4) == expected
+    assert parse_head_types("g, l,F,B", 4) == expected
