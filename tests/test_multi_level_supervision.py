@@ -646,6 +646,7 @@ def test_presets():
         (ms("1", "--decode-from", "aux"), "choose one of main, aux:1"),
         (ms("1", "--no-cross-attention"), "^--aux-decoder-layers 1: auxiliary decoders attend to encoder layers: "
                                           "they cannot be used with --no-cross-attention$"),
+        (ms("1,2", "--no-cross-attention"), "^--aux-decoder-layers 1,2: auxiliary decoders attend"),
         (ms("1", "--adaptive-softmax-cutoff", "10"), "^--aux-decoder-layers 1: auxiliary decoders share the output "
                                                      "projection, which --adaptive-softmax-cutoff replaces: use a "
                                                      "plain softmax$"),
