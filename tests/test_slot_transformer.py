@@ -879,8 +879,8 @@ def test_a_hydra_model_config_builds_the_model_it_describes_and_is_checked():
 
 
 def test_layer_and_encoder_slot_fillers_are_given_the_config_and_where_they_build(stage_slots, monkeypatch):
-    """A filler of the encoder layer's after-self-attention slot, the decoder layer's
-    feed-forward slot and the encoder's layer-inputs slot is called with the model's config
+    """A filler of the encoder layer's after-self-attention and feed-forward slots, the
+    decoder layer's feed-forward slot and the encoder's layer-inputs slot is called with the model's config
     and where it builds: the layer index and width (and the decoder's layer context), or the
     number of encoder layers."""
     from mlmha_fairseq.models.slot_transformer import SlotTransformerDecoderLayer, SlotTransformerEncoderLayer
@@ -894,11 +894,13 @@ def test_layer_and_encoder_slot_fillers_are_given_the_config_and_where_they_buil
         return filler
 
     slots.ENCODER_AFTER_SELF_ATTENTION.register("test")(recorder("encoder after self-attention"))
+    slots.ENCODER_FEED_FORWARD.register("test")(recorder("encoder feed-forward"))
     slots.DECODER_FEED_FORWARD.register("test")(recorder("decoder feed-forward"))
     slots.ENCODER_LAYER_INPUTS.register("test")(recorder("encoder layer inputs"))
     cfg = layer_config("post-norm")
     SlotTransformerEncoderLayer(cfg, layer_idx=2)
     assert seen["encoder after self-attention"] == (cfg, {"layer_idx": 2, "embed_dim": 16})
+    assert seen["encoder feed-forward"] == (cfg, {"layer_idx": 2, "embed_dim": 16})
     SlotTransformerDecoderLayer(cfg, layer_idx=1, test_context="a")
     assert seen["decoder feed-forward"] == (cfg, {"layer_idx": 1, "embed_dim": 16, "test_context": "a"})
     model = build_model("slot_transformer")
@@ -946,3 +948,17 @@ def test_encoder_layer_attention_mask_outweighs_large_attention_scores_as_fairse
     assert torch.equal(got, expected)
     if dtype == torch.float32:  # the first positions do not see the later ones
         torch.testing.assert_close(got[:2], causal_ours)
+
+
+def test_a_stage_module_may_not_take_an_attribute_the_layer_already_has():
+    """A filler's module is kept under the attribute it declares (its parameter names in
+    checkpoints): one that would replace a submodule of fairseq's layer is refused."""
+    from mlmha_fairseq.models.slot_transformer import SlotTransformerEncoderLayer, keep_stage_module
+
+    layer = SlotTransformerEncoderLayer(layer_config("post-norm"), layer_idx=0)
+    clash = Shift()
+    clash.layer_attribute = "fc1"
+    with pytest.raises(ValueError, match="^the layer already has a 'fc1'$"):
+        keep_stage_module(layer, clash)
+    assert keep_stage_module(layer, Shift()) == "shift" and isinstance(layer.shift, Shift)
+    assert keep_stage_module(layer, None) is None
