@@ -69,8 +69,7 @@ def test_rows_outside_the_stack_are_refused():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_half_precision_history_is_combined_in_its_own_precision(dtype):
     """Under fairseq's --amp the weights stay fp32 while the layer outputs are half precision:
-    the weights are cast to the history's dtype, so the (pre-norm) combination stays in it
-    instead of being promoted to fp32."""
+    the (pre-norm) combination stays in the outputs' precision."""
     module = DynamicLinearCombination(2, D, normalize_before=True)
     history = [torch.randn(LENGTH, BSZ, D).to(dtype) for _ in range(2)]
     combined = module.combine(history)
