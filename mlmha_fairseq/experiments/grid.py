@@ -282,11 +282,11 @@ def validations_since_best(log_path: str, until: float = float("inf")) -> int:
     return len(values) - 1 - values.index(max(values)) if values else 0
 
 
-def converged_over_attempts(log_path: str, patience: int, until: float = float("inf")) -> bool:
-    """Whether a run's log (all its attempts, up to update ``until``) shows ``patience``
-    validations without a gain in BLEU, the last one's checkpoint saved (fairseq logs "Saved
-    checkpoint" once every copy is written), so that stopping the run there loses nothing."""
-    if validations_since_best(log_path, until) < patience:
+def converged_over_attempts(log_path: str, patience: int) -> bool:
+    """Whether a run's log (all its attempts) shows ``patience`` validations without a gain in
+    BLEU, the last one's checkpoint saved (fairseq logs "Saved checkpoint" once every copy is
+    written), so that stopping the run there loses nothing."""
+    if validations_since_best(log_path) < patience:
         return False
     with open(log_path, errors="replace") as log:
         text = log.read()
@@ -301,7 +301,7 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     own first validation (fairseq keeps no count in checkpoints) and stop later than an
     uninterrupted run whose best came before the interruption. So the runner counts over the
     whole log: a resumed run is stopped (its stop recorded in the log as CONVERGED) once the
-    log shows ``patience`` validations without a gain and the last one's checkpoint, within
+    log shows ``patience`` validations without a gain and the last one's checkpoint saved, within
     STOP_CHECK_SECONDS, long before its next validation; it is not started at all when the
     log already shows them. (Bounding the attempt with ``--max-update`` instead would change
     the schedules that fairseq derives from it: cosine, tri-stage, polynomial decay.) A run
@@ -317,8 +317,9 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         return
     log_path = run.path("logs", "train.log")
     resumed_to_converge = bool(settings.convergence and done)
-    # validations the log records after the checkpoint (a run stopped before its save) are done again
-    if resumed_to_converge and converged_over_attempts(log_path, settings.convergence.patience, until=done):
+    # up to the checkpoint it resumes from: later validations (a run stopped before their
+    # save) are done again
+    if resumed_to_converge and validations_since_best(log_path, until=done) >= settings.convergence.patience:
         record_convergence(run, "not trained again")
         return
     stop_when = (lambda: converged_over_attempts(log_path, settings.convergence.patience)) if resumed_to_converge else None
