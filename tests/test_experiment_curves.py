@@ -173,6 +173,7 @@ def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path):
 
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
+    # stopped at its last validation (the runner stops it within a second of that checkpoint)
     assert (seed["best_update"], seed["stopped_at"], seed["validations"]) == (25, 75, 3)
     assert seed["stopped_by"] == "patience (over the attempts, counted by the runner)"
     assert list((run_dir / "checkpoints").glob("checkpoint_*_75.pt"))  # saved before the stop

@@ -100,7 +100,11 @@ def curve_report(grid: Grid) -> Dict:
             best_update, best = max(run_curve["bleu"], key=lambda point: (point[1], -point[0]))
             run = next(r for r in grid.runs if r.system.name == name and r.seed == seed)
             log = run.path("logs", "train.log")
-            seeds[name][seed] = {"stopped_at": last_update(log), "stopped_by": run_stop(run, grid.settings),
+            stopped_by = run_stop(run, grid.settings)
+            # stopped by patience: at its last validation, whose checkpoint is the last one (the
+            # runner's stop may come a few updates after it, which are not kept)
+            stopped_at = int(run_curve["bleu"][-1][0]) if stopped_by.startswith("patience") else last_update(log)
+            seeds[name][seed] = {"stopped_at": stopped_at, "stopped_by": stopped_by,
                                  "finished": run.finished, "best_bleu": best, "best_update": best_update, "validations": len(run_curve["bleu"])}
     update = matched_update(curves)
     matched = {name: [dict(run["bleu"])[update] for run in runs.values()] for name, runs in curves.items()
