@@ -268,29 +268,40 @@ def usable_last_checkpoint(run: Run) -> int:
 CONVERGED = "converged: no gain in validation BLEU in its last"  # the runner's own stop, in a run's log
 
 
+def _validations_since_best(lines: Sequence[str], until: float = float("inf")) -> int:
+    from mlmha_fairseq.evaluation.text_io import InputError
+    from mlmha_fairseq.evaluation.training_curves import log_curves
+
+    try:
+        values = [value for update, value in log_curves(lines, "bleu")["valid"] if update <= until]
+    except InputError:  # no validation logged yet
+        return 0
+    return len(values) - 1 - values.index(max(values)) if values else 0
+
+
 def validations_since_best(log_path: str, until: float = float("inf")) -> int:
     """The validations a run's log records (up to update ``until``) after its best validation
     BLEU (the first of equal bests: fairseq's ``--patience`` counts an equal value as no
     improvement); 0 without any."""
-    from mlmha_fairseq.evaluation.text_io import InputError
-    from mlmha_fairseq.evaluation.training_curves import read_log_curves
-
     try:
-        values = [value for update, value in read_log_curves(log_path, "bleu")["valid"] if update <= until]
-    except (InputError, OSError):
+        with open(log_path, errors="replace") as log:
+            return _validations_since_best(log.read().splitlines(), until)
+    except OSError:
         return 0
-    return len(values) - 1 - values.index(max(values)) if values else 0
 
 
 def converged_over_attempts(log_path: str, patience: int) -> bool:
     """Whether a run's log (all its attempts) shows ``patience`` validations without a gain in
     BLEU, the last one's checkpoint saved (fairseq logs "Saved checkpoint" once every copy is
-    written), so that stopping the run there loses nothing."""
-    if validations_since_best(log_path) < patience:
+    written), so that stopping the run there loses nothing. Asked every STOP_CHECK_SECONDS:
+    the log is read once."""
+    try:
+        with open(log_path, errors="replace") as log:
+            text = log.read()
+    except OSError:
         return False
-    with open(log_path, errors="replace") as log:
-        text = log.read()
-    return text.rfind("Saved checkpoint") > text.rfind('"valid_bleu"')
+    return (_validations_since_best(text.splitlines()) >= patience
+            and text.rfind("Saved checkpoint") > text.rfind('"valid_bleu"'))
 
 
 def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
