@@ -177,6 +177,30 @@ def test_the_runner_moves_an_unsafe_last_checkpoint_aside_and_says_why(trained, 
     assert not sentinel.exists()
 
 
+def test_a_truncated_last_checkpoint_is_replaced_by_the_newer_of_best_and_the_update_checkpoint(trained, tmp_path):
+    """Where every update ends an epoch fairseq writes no update checkpoint: a stop during its
+    copy of checkpoint_best.pt to checkpoint_last.pt must resume from the best one, not from
+    scratch; an update checkpoint with more updates than the best one wins."""
+    run = grid.Run(systems.lookup("transformer"), 1, str(tmp_path / "run"))
+    os.makedirs(run.checkpoints)
+    last, best = (os.path.join(run.checkpoints, f"checkpoint_{name}.pt") for name in ("last", "best"))
+    shutil.copyfile(trained, best)
+    with open(trained, "rb") as whole, open(last, "wb") as truncated:
+        truncated.write(whole.read()[:1000])
+    assert grid.usable_last_checkpoint(run) == 1  # `trained`: one update
+    assert os.path.exists(last + ".unreadable")
+    with open(last, "rb") as resumed, open(trained, "rb") as original:
+        assert resumed.read() == original.read()
+
+    with open(last, "wb") as truncated:
+        truncated.write(b"truncat")
+    with open(os.path.join(run.checkpoints, "checkpoint_1_5.pt"), "wb") as update:
+        update.write(b"five")
+    assert grid.usable_last_checkpoint(run) == 5
+    with open(last, "rb") as resumed:
+        assert resumed.read() == b"five"
+
+
 def test_the_runner_and_the_demo_refuse_to_decode_a_checkpoint_with_code_in_an_option(trained, data_bin, tmp_path):
     """Both decode a run folder's checkpoint with grid.decode (fairseq-generate)."""
     run = grid.Run(systems.lookup("transformer"), 1, str(tmp_path / "run"))

@@ -234,11 +234,14 @@ def last_update(log_path: str) -> int:
 def usable_last_checkpoint(run: Run) -> int:
     """Before a resume: the number of updates ``checkpoint_last.pt`` holds (0: none).
 
-    fairseq writes each update checkpoint through a temporary file, but copies it to
-    ``checkpoint_last.pt`` in place, so a run stopped during that copy leaves a truncated file;
-    a checkpoint that safe loading refuses (:mod:`mlmha_fairseq.compat`) must not be trained
-    from either. Such a file is moved aside (``.unsafe`` or ``.unreadable``, kept as evidence)
-    and replaced by the newest update checkpoint that loads, if any."""
+    fairseq writes a checkpoint through a temporary file, but copies it to the other names
+    (``checkpoint_best.pt``, ``checkpoint_last.pt``) in place, so a run stopped during a copy
+    leaves a truncated file; a checkpoint that safe loading refuses (:mod:`mlmha_fairseq.compat`)
+    must not be trained from either. Such a file is moved aside (``.unsafe`` or ``.unreadable``,
+    kept as evidence) and replaced by the newest checkpoint that loads, if any: the newest update
+    checkpoint (always written whole) or ``checkpoint_best.pt``. The best one matters where every
+    update ends an epoch: fairseq then writes no update checkpoint, and ``checkpoint_best.pt``
+    is the file the truncated copy was being made from."""
     from fairseq.checkpoint_utils import checkpoint_paths, load_checkpoint_to_cpu
 
     from mlmha_fairseq.compat import UnsafeCheckpointError
@@ -248,21 +251,28 @@ def usable_last_checkpoint(run: Run) -> int:
     if not os.path.isfile(last):
         return 0
     try:
-        state = load_checkpoint_to_cpu(last)
+        return trained_updates(load_checkpoint_to_cpu(last))
     except Exception as error:  # any unreadable file: torch raises several kinds
         kind = "unsafe" if isinstance(error, UnsafeCheckpointError) else "unreadable"
         os.replace(last, f"{last}.{kind}")
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         logger.warning("  %s is %s (%s): moved to %s.%s", last, kind, reason, last, kind)
-        newest = checkpoint_paths(run.checkpoints, UPDATE_CHECKPOINT)
-        if not newest:
-            logger.warning("  no update checkpoint to resume from: training from scratch")
-            return 0
-        shutil.copyfile(newest[0], last + ".tmp")
-        os.replace(last + ".tmp", last)
-        logger.warning("  resuming from %s", newest[0])
-        return int(re.search(UPDATE_CHECKPOINT, os.path.basename(newest[0])).group(1))
-    return trained_updates(state)
+    candidates = [(int(re.search(UPDATE_CHECKPOINT, os.path.basename(path)).group(1)), path)
+                  for path in checkpoint_paths(run.checkpoints, UPDATE_CHECKPOINT)[:1]]
+    best = os.path.join(run.checkpoints, "checkpoint_best.pt")
+    if os.path.isfile(best):
+        try:
+            candidates.append((trained_updates(load_checkpoint_to_cpu(best)), best))
+        except Exception as error:  # truncated or unsafe like the last one: not a candidate
+            logger.warning("  %s cannot be resumed from either (%s)", best, type(error).__name__)
+    if not candidates:
+        logger.warning("  no update checkpoint to resume from: training from scratch")
+        return 0
+    updates, newest = max(candidates)
+    shutil.copyfile(newest, last + ".tmp")
+    os.replace(last + ".tmp", last)
+    logger.warning("  resuming from %s (update %d)", newest, updates)
+    return updates
 
 
 CONVERGED = "converged: no gain in validation BLEU in its last"  # the runner's own stop, in a run's log
