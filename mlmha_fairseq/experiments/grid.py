@@ -266,7 +266,7 @@ def usable_last_checkpoint(run: Run) -> int:
         except Exception as error:  # truncated or unsafe like the last one: not a candidate
             logger.warning("  %s cannot be resumed from either (%s)", best, type(error).__name__)
     if not candidates:
-        logger.warning("  no update checkpoint to resume from: training from scratch")
+        logger.warning("  no update checkpoint or checkpoint_best.pt to resume from: training from scratch")
         return 0
     updates, newest = max(candidates)
     shutil.copyfile(newest, last + ".tmp")
