@@ -14,7 +14,8 @@ from mlmha_fairseq.evaluation.plotting import plot_learning_curves
 from mlmha_fairseq.evaluation.replicates import mean_sd_text
 from mlmha_fairseq.evaluation.text_io import InputError, write_json, write_text
 from mlmha_fairseq.evaluation.training_curves import read_log_curves
-from mlmha_fairseq.experiments.grid import CONVERGED, Grid, Run, Settings, failure_line, last_update, validations_since_best
+from mlmha_fairseq.experiments.grid import (
+    CONVERGED, Grid, Run, Settings, failure_line, last_update, log_text, validations_since_best)
 
 STATS = (("bleu", "validation BLEU"), ("loss", "validation loss"))
 Curve = List[Tuple[float, float]]
@@ -37,11 +38,7 @@ def stop_reason(log_path: str, max_update: int) -> str:
     """Why a run's fairseq-train stopped: ``patience``, ``max_update`` (the run's cap, not an
     earlier attempt's lower one), the time limit, or ``failed: <error>``; :data:`NOT_STOPPED` when its log
     records no stop."""
-    try:
-        with open(log_path, errors="replace") as log:
-            text = log.read()
-    except OSError:
-        return NOT_STOPPED
+    text = log_text(log_path)
     for bound in reversed(list(BOUNDED_ATTEMPT.finditer(text))):
         if int(bound.group(1)) < max_update:
             text = text[:bound.start()] + text[bound.end():]

@@ -222,12 +222,18 @@ class Run:
             return json.load(handle)
 
 
+def log_text(log_path: str) -> str:
+    """A run's log as text, "" while it does not exist (or cannot be read)."""
+    try:
+        with open(log_path, errors="replace") as log:
+            return log.read()
+    except OSError:
+        return ""
+
+
 def last_update(log_path: str) -> int:
     """The last ``num_updates`` fairseq-train logged, 0 if none yet."""
-    if not os.path.isfile(log_path):
-        return 0
-    with open(log_path, errors="replace") as log:
-        found = re.findall(r"num_updates\"?[=\s|:\"]+(\d+)", log.read())  # simple and json log formats
+    found = re.findall(r"num_updates\"?[=\s|:\"]+(\d+)", log_text(log_path))  # simple and json log formats
     return int(found[-1]) if found else 0
 
 
@@ -293,11 +299,7 @@ def validations_since_best(log_path: str, until: float = float("inf")) -> int:
     """The validations a run's log records (up to update ``until``) after its best validation
     BLEU (the first of equal bests: fairseq's ``--patience`` counts an equal value as no
     improvement); 0 without any."""
-    try:
-        with open(log_path, errors="replace") as log:
-            return _validations_since_best(log.read().splitlines(), until)
-    except OSError:
-        return 0
+    return _validations_since_best(log_text(log_path).splitlines(), until)
 
 
 def converged_over_attempts(log_path: str, patience: int) -> bool:
@@ -305,11 +307,7 @@ def converged_over_attempts(log_path: str, patience: int) -> bool:
     BLEU, the last one's checkpoint saved (fairseq logs "Saved checkpoint" once every copy is
     written), so that stopping the run there loses nothing. Asked every STOP_CHECK_SECONDS:
     the log is read once."""
-    try:
-        with open(log_path, errors="replace") as log:
-            text = log.read()
-    except OSError:
-        return False
+    text = log_text(log_path)
     return (_validations_since_best(text.splitlines()) >= patience
             and text.rfind("Saved checkpoint") > text.rfind('"valid_bleu"'))
 
