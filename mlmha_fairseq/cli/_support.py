@@ -195,3 +195,22 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def seed_count_or_list(text: str):
+    """An argparse ``type`` for ``--seeds``: a count N (seeds 1..N, returned as an int), or, as
+    Slurm writes job arrays, comma-separated seeds and ranges such as ``2,3``, ``2-3`` or ``2-2``
+    (a list of distinct seeds), e.g. to train the seeds that another machine has not."""
+    if "," not in text and "-" not in text:
+        return positive_int(text)
+    seeds = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        low = positive_int(first)
+        high = positive_int(last) if last else low
+        if high < low:
+            raise argparse.ArgumentTypeError(f"range {part.strip()!r} runs backwards")
+        seeds += range(low, high + 1)
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct, got {text!r}")
+    return seeds

@@ -10,7 +10,13 @@ others go on (exit status 1 at the end, as when no run of the baseline has finis
 table is written). Every command is printed with its log file and appended to
 ``<work_dir>/commands.log``.
 
-Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N] [--work-dir DIR] [--jobs N]``;
+``--records DIR`` keeps each finished run's scores, hypotheses and training log in DIR and
+restores the runs recorded there that the work directory lacks
+(:mod:`mlmha_fairseq.experiments.records`): a grid split over machines, or trained in rounds on
+machines that do not keep their disks, reports every recorded run.
+
+Usage: ``python -m mlmha_fairseq.cli.experiment CONFIG [--seeds N | --seeds 2-3] [--work-dir DIR] [--jobs N]
+[--records DIR]``;
 ``--jobs N`` trains N runs at a time (on a GPU machine one per visible GPU by default, each
 given its own through ``CUDA_VISIBLE_DEVICES``), with the same results as one at a time;
 ``examples/experiment/demo.toml`` is the quick demo's grid with 3 seeds. Config keys::
@@ -79,7 +85,8 @@ from mlmha_fairseq.experiments.runner import run
 def parse_args(argv=None):
     parser = cli_support.make_parser(__spec__.name, __doc__)
     parser.add_argument("config", help="TOML file: systems, seeds, corpus, budget (see the module's docstring)")
-    parser.add_argument("--seeds", type=cli_support.positive_int, help="run seeds 1..N (overrides the file's seeds)")
+    parser.add_argument("--seeds", type=cli_support.seed_count_or_list,
+                        help="N: seeds 1..N; or seeds and ranges such as 2,3 or 2-3 (2-2: seed 2 alone); overrides the file's seeds")
     parser.add_argument("--work-dir", help="overrides the file's work_dir")
     parser.add_argument("--max-update", type=cli_support.positive_int, help="overrides the file's max_update")
     parser.add_argument("--jobs", type=cli_support.positive_int,
@@ -87,6 +94,10 @@ def parse_args(argv=None):
                              "own fairseq-train, in its own run folder")
     parser.add_argument("--threads", type=cli_support.positive_int,
                         help="intra-op threads per run (OMP_NUM_THREADS; default: the CPU cores / --jobs)")
+    parser.add_argument("--records", metavar="DIR",
+                        help="keep every finished run's scores, test hypotheses and training log in DIR (an existing "
+                             "folder, e.g. in your repository), and restore the runs recorded there that the work "
+                             "directory lacks: seeds trained on other machines, or on one that lost its disk")
     parser.add_argument("--report-only", action="store_true",
                         help="write the table of the runs finished so far; train nothing")
     parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials (default: %(default)s)")

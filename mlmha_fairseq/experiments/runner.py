@@ -16,7 +16,7 @@ from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
 from mlmha_fairseq.evaluation.text_io import check_same_length, read_lines
 from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
 from mlmha_fairseq.experiments.corpora import Corpus, check_corpus, prepare_corpus
-from mlmha_fairseq.experiments import slurm
+from mlmha_fairseq.experiments import records, slurm
 from mlmha_fairseq.experiments.curves import write_curve_report
 from mlmha_fairseq.experiments.grid import Grid, minutes, report_failures
 from mlmha_fairseq.output_files import check_output_folder, exclusive_folder
@@ -77,6 +77,9 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
     logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
                 len(grid.runs), settings.budget, work_dir)
+    if args.records:
+        restored = records.restore(grid.runs, args.records, corpus.references)
+        logger.info("%d run(s) restored from the records in %s", restored, args.records)
     # submitted to Slurm without waiting: runs finish later, a runner started again collects them
     submitted_only = bool(experiment.launcher and not experiment.launcher.wait and not args.report_only)
     if args.report_only:
@@ -90,7 +93,13 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
         threads = args.threads or max(1, (os.cpu_count() or 1) // jobs)
         logger.info("%d run(s) at a time, %d thread(s) each%s", jobs, threads,
                     f", on GPU(s) {', '.join(gpus)}" if gpus else ", on the CPU")
-        failures = grid.execute(references, jobs=jobs, slot_env=lambda slot: slot_env(slot, threads, gpus))
+        # each run recorded as soon as it is finished, so that a machine lost mid-grid keeps them
+        record = (lambda run: records.save([run], args.records, corpus.references)) if args.records else None
+        failures = grid.execute(references, after_run=record, jobs=jobs,
+                                slot_env=lambda slot: slot_env(slot, threads, gpus))
+    if args.records:  # the runs that finished elsewhere (Slurm jobs) or before --records was given too
+        logger.info("%d finished run(s) recorded in %s", records.save(grid.runs, args.records, corpus.references),
+                    args.records)
     systems = grid.hypotheses()
     tabled = bool(systems) and systems[0][0] == experiment.baseline
     if tabled:
@@ -129,9 +138,11 @@ def run(args) -> int:
         work_dir = args.work_dir or experiment.work_dir
         check_output_folder(work_dir, "work directory")
         check_corpus(experiment.corpus)
+        if args.records and not os.path.isdir(args.records):
+            raise UsageError(f"--records {args.records} is not a folder (create it, empty, to start recording)")
         if args.comet_model:
             check_comet(args.comet_model, experiment.corpus)
-        if args.report_only:  # reads finished runs only (their files are written atomically)
+        if args.report_only and not args.records:  # reads finished runs only (their files are written atomically)
             return run_grid(args, experiment, work_dir)
         with exclusive_folder(work_dir, "work directory"):
             return run_grid(args, experiment, work_dir)

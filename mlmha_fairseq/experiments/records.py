@@ -1,0 +1,94 @@
+"""Run records: the few files of a finished run that the report reads (its scores, its test
+hypotheses and its training log, a few hundred kB at most), kept in a folder of their own,
+``<records>/<system>/seed<N>/``, outside the work directory.
+
+A work directory holds checkpoints (megabytes per run, gigabytes per grid), so it stays on the
+machine that trained it; a grid trained in rounds on machines that do not keep their disks (a
+preemptible cloud node, a cluster's scratch space, a CI-like sandbox), or split across several
+machines (``--seeds 1-2`` here, ``--seeds 3-3`` there), loses the finished runs with the
+machine. With ``--records DIR`` the runner copies every finished run there (a folder a
+repository or shared disk keeps), and at its start restores into the work directory every run
+that is recorded but not finished there, so the table, the significance tests over replicates
+and the learning curves cover every recorded run as if it had been trained in this work
+directory. A run is only restored against the test references it was scored with (their
+SHA-256 is part of the record): a record of another corpus is refused in one line.
+"""
+import hashlib
+import json
+import logging
+import os
+import shutil
+from typing import Sequence
+
+from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.evaluation.text_io import write_text
+from mlmha_fairseq.experiments.grid import Run
+from mlmha_fairseq.output_files import atomic_output
+
+logger = logging.getLogger("mlmha_fairseq.experiment")
+
+# what the report reads of a finished run (scores.json last: with it, a run is finished)
+RECORDED = ("hypotheses.txt", os.path.join("logs", "train.log"), "scores.json")
+ABOUT = "record.json"  # {"references_sha256": ...}
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def record_folder(records: str, run: Run) -> str:
+    """``<records>/<system>/seed<N>``: the run folder's last two names, as under ``<work_dir>/runs``."""
+    seed_folder = os.path.basename(run.directory)
+    return os.path.join(records, os.path.basename(os.path.dirname(run.directory)), seed_folder)
+
+
+def _copy(source: str, destination: str) -> None:
+    with atomic_output(destination) as temporary:
+        shutil.copyfile(source, temporary)
+
+
+def save(runs: Sequence[Run], records: str, references: str) -> int:
+    """Copy every finished run of ``runs`` to ``records`` (again, where it was recorded before:
+    a record follows its run); returns the number recorded."""
+    checksum = file_sha256(references)
+    saved = 0
+    for run in runs:
+        if not run.finished:
+            continue
+        folder = record_folder(records, run)
+        write_text(os.path.join(folder, ABOUT), json.dumps({"references_sha256": checksum}, indent=2) + "\n")
+        for name in RECORDED:
+            if os.path.isfile(run.path(name)):
+                _copy(run.path(name), os.path.join(folder, name))
+        saved += 1
+    return saved
+
+
+def restore(runs: Sequence[Run], records: str, references: str) -> int:
+    """Copy into its run folder every run of ``runs`` that ``records`` holds and that is not
+    finished in the work directory (a half-trained attempt there is replaced: the record is
+    the finished run); returns the number restored. Raises :class:`UsageError` for a record
+    scored against other test references, before anything is copied."""
+    checksum = file_sha256(references)
+    recorded = [(run, record_folder(records, run)) for run in runs if not run.finished]
+    recorded = [(run, folder) for run, folder in recorded if os.path.isfile(os.path.join(folder, "scores.json"))]
+    for run, folder in recorded:
+        try:
+            with open(os.path.join(folder, ABOUT), encoding="utf-8") as handle:
+                theirs = json.load(handle)["references_sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UsageError(f"record {folder} has no readable {ABOUT}: it cannot be checked against the test "
+                             f"references {references}") from None
+        if theirs != checksum:
+            raise UsageError(f"record {folder} was scored against other test references than {references} "
+                             f"(another corpus): use another --records folder")
+    for run, folder in recorded:
+        for name in RECORDED:
+            if os.path.isfile(os.path.join(folder, name)):
+                _copy(os.path.join(folder, name), run.path(name))
+        logger.info("%s: restored from %s", run.name, folder)
+    return len(recorded)
