@@ -102,7 +102,8 @@ def locate_bible_db(bible_db: Optional[str], cache_dir: Optional[str]) -> str:
 
 
 def sha256_of(path: str) -> str:
-    """Hex SHA-256 of a file (recorded in the manifest to identify the corpus exactly)."""
+    """Hex SHA-256 of a file: what identifies a corpus's inputs exactly in its manifest, and a run
+    record's test references (:mod:`mlmha_fairseq.experiments.records`)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(HASH_CHUNK_BYTES), b""):

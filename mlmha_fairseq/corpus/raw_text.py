@@ -8,7 +8,6 @@ reads this one: ``text/{split}.raw.{side}`` (the input, copied), ``text/{split}.
 (``fairseq-preprocess``, one joint dictionary) and ``manifest.json``, written last: a folder
 with a manifest whose input fingerprints and settings match is complete and is not rebuilt.
 """
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -17,20 +16,13 @@ from typing import Dict, List, Sequence
 
 from mlmha_fairseq.corpus import preprocess
 from mlmha_fairseq.corpus.builder import BPE_CODES, DATA_BIN, MANIFEST, TEXT_DIR
+from mlmha_fairseq.corpus.fetch import sha256_of
 from mlmha_fairseq.corpus.splits import SPLITS
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.text_io import InputError, count_lines, read_lines, write_text
 from mlmha_fairseq.output_files import atomic_output
 
 logger = logging.getLogger(__name__)
-
-
-def _fingerprint(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_parallel_text(raw_dir: str, sources: Sequence[str], target: str) -> Dict[str, int]:
@@ -73,7 +65,7 @@ def build_raw_text_corpus(raw_dir: str, sources: Sequence[str], target: str, out
     """Tokenize, learn and apply joint BPE, binarize; return the manifest (kept, with nothing
     rebuilt, when an earlier build of the same input with the same settings finished)."""
     sides = (*sources, target)
-    inputs = {f"{split}.{side}": _fingerprint(os.path.join(raw_dir, f"{split}.{side}"))
+    inputs = {f"{split}.{side}": sha256_of(os.path.join(raw_dir, f"{split}.{side}"))
               for split in SPLITS for side in sides if os.path.isfile(os.path.join(raw_dir, f"{split}.{side}"))}
     settings = {"raw": {"dir": os.path.abspath(raw_dir), "sha256": inputs}, "sources": list(sources),
                 "target": target}

@@ -13,13 +13,13 @@ and the learning curves cover every recorded run as if it had been trained in th
 directory. A run is only restored against the test references it was scored with (their
 SHA-256 is part of the record): a record of another corpus is refused in one line.
 """
-import hashlib
 import json
 import logging
 import os
 import shutil
 from typing import Sequence
 
+from mlmha_fairseq.corpus.fetch import sha256_of
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.text_io import write_text
 from mlmha_fairseq.experiments.grid import Run
@@ -30,14 +30,6 @@ logger = logging.getLogger("mlmha_fairseq.experiment")
 # what the report reads of a finished run (scores.json last: with it, a run is finished)
 RECORDED = ("hypotheses.txt", os.path.join("logs", "train.log"), "scores.json")
 ABOUT = "record.json"  # {"references_sha256": ...}
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def record_folder(records: str, run: Run) -> str:
@@ -54,7 +46,7 @@ def _copy(source: str, destination: str) -> None:
 def save(runs: Sequence[Run], records: str, references: str) -> int:
     """Copy every finished run of ``runs`` to ``records`` (again, where it was recorded before:
     a record follows its run); returns the number recorded."""
-    checksum = file_sha256(references)
+    checksum = sha256_of(references)
     saved = 0
     for run in runs:
         if not run.finished:
@@ -73,9 +65,9 @@ def restore(runs: Sequence[Run], records: str, references: str) -> int:
     finished in the work directory (a half-trained attempt there is replaced: the record is
     the finished run); returns the number restored. Raises :class:`UsageError` for a record
     scored against other test references, before anything is copied."""
-    checksum = file_sha256(references)
-    recorded = [(run, record_folder(records, run)) for run in runs if not run.finished]
-    recorded = [(run, folder) for run, folder in recorded if os.path.isfile(os.path.join(folder, "scores.json"))]
+    checksum = sha256_of(references)
+    recorded = [(run, record_folder(records, run)) for run in runs if not run.finished
+                and os.path.isfile(os.path.join(record_folder(records, run), "scores.json"))]
     for run, folder in recorded:
         try:
             with open(os.path.join(folder, ABOUT), encoding="utf-8") as handle:
