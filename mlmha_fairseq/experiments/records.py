@@ -66,8 +66,8 @@ def restore(runs: Sequence[Run], records: str, references: str) -> int:
     the finished run); returns the number restored. Raises :class:`UsageError` for a record
     scored against other test references, before anything is copied."""
     checksum = sha256_of(references)
-    recorded = [(run, record_folder(records, run)) for run in runs if not run.finished
-                and os.path.isfile(os.path.join(record_folder(records, run), "scores.json"))]
+    unfinished = [(run, record_folder(records, run)) for run in runs if not run.finished]
+    recorded = [(run, folder) for run, folder in unfinished if os.path.isfile(os.path.join(folder, RECORDED[-1]))]
     for run, folder in recorded:
         try:
             with open(os.path.join(folder, ABOUT), encoding="utf-8") as handle:

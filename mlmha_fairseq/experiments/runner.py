@@ -93,11 +93,12 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
         threads = args.threads or max(1, (os.cpu_count() or 1) // jobs)
         logger.info("%d run(s) at a time, %d thread(s) each%s", jobs, threads,
                     f", on GPU(s) {', '.join(gpus)}" if gpus else ", on the CPU")
-        # each run recorded as soon as it is finished, so that a machine lost mid-grid keeps them
+        # each run recorded as soon as it is finished (or found finished from an earlier round), so
+        # that a machine lost mid-grid keeps them
         record = (lambda run: records.save([run], args.records, corpus.references)) if args.records else None
         failures = grid.execute(references, after_run=record, jobs=jobs,
                                 slot_env=lambda slot: slot_env(slot, threads, gpus))
-    if args.records:  # the runs that finished elsewhere (Slurm jobs) or before --records was given too
+    if args.records and (args.report_only or experiment.launcher):  # no local execution recorded them
         logger.info("%d finished run(s) recorded in %s", records.save(grid.runs, args.records, corpus.references),
                     args.records)
     systems = grid.hypotheses()
