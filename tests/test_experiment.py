@@ -267,7 +267,7 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     fixed-budget grid shares the demo grid's work directory and budget, so the baseline's seeds
     are trained once for all, unless it keeps every update checkpoint for an analysis over
     training (mlrf-fusion-weights.toml: its own budget and folder, the convergence grid's corpus
-    folder); grids that share a work directory (convergence.toml and its first part) share every
+    folder); grids that share a work directory (convergence.toml and its two parts) share every
     setting but the systems, so their runs are the same runs."""
     demo = load_config(os.path.join(EXAMPLES, "demo.toml"))
     loaded = load_config(os.path.join(EXAMPLES, config))
