@@ -83,6 +83,19 @@ def test_parallel_runs_give_the_same_results_as_one_at_a_time(tmp_path, corpus):
     assert grids[1] == grids[2]
 
 
+def test_a_bf16_grid_trains_through_the_packages_trainer_in_bf16(tmp_path, corpus):
+    """fairseq-train's command line turns ``--bf16`` into ``--tpu`` (which fails without
+    torch_xla): with ``--bf16`` the runner trains through ``mlmha_fairseq.cli.train``."""
+    work, config = tmp_path / "work", tmp_path / "bf16.toml"
+    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 2\nbeam = 1\n'
+                      f'train_args = ["--bf16"]\n[corpus]\ndir = "{corpus}"\n')
+    assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    trainings = [line for line in commands(work) if " -m mlmha_fairseq.cli.train " in line]
+    assert len(trainings) == 1 and not any("fairseq_cli.train" in line for line in commands(work))
+    log = (work / "runs" / "transformer--fairseq" / "seed1" / "logs" / "train.log").read_text()
+    assert "'bf16': True" in log and "'tpu': False" in log
+
+
 def _processes_mentioning(text: str):
     """PIDs of live processes whose command line contains ``text``."""
     found = []

@@ -54,6 +54,15 @@ def fairseq(tool: str, *args) -> List[str]:
     return [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
 
 
+def fairseq_train(train_args: Sequence[str], *args) -> List[str]:
+    """fairseq-train, or with ``--bf16`` among ``train_args`` the package's
+    :mod:`mlmha_fairseq.cli.train`: fairseq-train's own ``main``, without the command line
+    that turns ``--bf16`` into ``--tpu`` (which fails without torch_xla)."""
+    if "--bf16" not in train_args:
+        return fairseq("train", *args)
+    return [sys.executable, "-m", "mlmha_fairseq.cli.train", *map(str, args)]
+
+
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
@@ -343,8 +352,8 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         return
     stop_when = (lambda: converged_over_attempts(log_path, settings.convergence.patience)) if resumed_to_converge else None
     system = run.system
-    run_command(fairseq(
-        "train", settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
+    run_command(fairseq_train(
+        settings.train_args, settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
         "--arch", system.arch,
         *settings.model_args,
         "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", f"{settings.lr:g}",
