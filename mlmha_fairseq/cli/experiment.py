@@ -37,7 +37,7 @@ given its own through ``CUDA_VISIBLE_DEVICES``), with the same results as one at
     lr = 2e-3  # Adam's peak learning rate (inverse square root schedule)
     warmup_updates = 80  # default: max_update / 5
     model_args = [...]  # default: the demo's model (d=128, 3+3 layers)
-    train_args = []  # added to every fairseq-train command
+    train_args = []  # added to every fairseq-train command (with "--bf16": mlmha_fairseq.cli.train)
     generate_args = []  # added to every fairseq-generate command
 
     [corpus]  # an existing mlmha_fairseq.cli.build_corpus output ...
