@@ -5,6 +5,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.errors import UsageError
@@ -151,13 +152,19 @@ def test_a_run_stops_once_validation_bleu_has_not_improved_for_patience_evaluati
     assert again["stopped_by"] == "patience (over the attempts, counted by the runner)"
 
 
-def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path):
+# a first attempt's value that no later validation beats, per metric
+UNBEATABLE = {"bleu": (r'"valid_bleu": "[0-9.]+"', '"valid_bleu": "100.0"'),
+              "loss": (r'"valid_loss": "[0-9.]+"', '"valid_loss": "0.0"')}
+
+
+@pytest.mark.parametrize("metric", ["bleu", "loss"])
+def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric):
     """fairseq-train counts --patience afresh after a resume; the runner stops the resumed run
     where an uninterrupted one would have stopped: ``patience`` validations after the best of
-    all its attempts, once the last one's checkpoint is saved."""
+    all its attempts in the convergence metric, once the last one's checkpoint is saved."""
     work, config = tmp_path / "work", tmp_path / "grid.toml"
     config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 400\nwarmup_updates = 10")
-                      .replace("validate_every = 4", "validate_every = 25")
+                      .replace("validate_every = 4", f'validate_every = 25\nmetric = "{metric}"')
                       .format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
     run_dir = work / "runs" / "transformer--fairseq" / "seed1"
     log = run_dir / "logs" / "train.log"
@@ -165,19 +172,23 @@ def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path):
     assert experiment.main([str(config), "--max-update", "25", "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     (run_dir / "train.done").unlink()
     (run_dir / "scores.json").unlink()
-    # its BLEU made unbeatable: the next attempt must stop two validations later, at update 75,
-    # where fairseq's own count (from update 50, its first validation) cannot stop it yet
+    # its metric made unbeatable: the next attempt must stop two validations later, at update
+    # 75, where fairseq's own count (from update 50, its first validation) cannot stop it yet
     first = log.read_text()
     assert first.count('"valid_bleu"') == 1
-    log.write_text(re.sub(r'"valid_bleu": "[0-9.]+"', '"valid_bleu": "100.0"', first))
+    log.write_text(re.sub(*UNBEATABLE[metric], first))
 
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
     # stopped at its last validation (the runner stops it within a second of that checkpoint)
-    assert (seed["best_update"], seed["stopped_at"], seed["validations"]) == (25, 75, 3)
+    assert (seed["stopped_at"], seed["validations"]) == (75, 3)
     assert seed["stopped_by"] == "patience (over the attempts, counted by the runner)"
     assert list((run_dir / "checkpoints").glob("checkpoint_*_75.pt"))  # saved before the stop
     assert (work / "commands.log").read_text().count("fairseq_cli.train") == 2
+    assert f"no gain in validation {grid.METRIC_NAMES[metric]} in its last 2 validations" in log.read_text()
+    # fairseq chose checkpoint_best.pt by the same metric
+    checkpoint = torch.load(run_dir / "checkpoints" / "checkpoint_best.pt", weights_only=False)["cfg"]["checkpoint"]
+    assert (checkpoint["best_checkpoint_metric"], checkpoint["maximize_best_checkpoint_metric"]) == (metric, metric == "bleu")
 
 
 def test_validations_since_best_counts_after_the_first_of_equal_bests(tmp_path):
@@ -191,9 +202,20 @@ def test_validations_since_best_counts_after_the_first_of_equal_bests(tmp_path):
     assert grid.validations_since_best(log) == 0
 
 
+def test_validations_since_best_in_loss_count_after_its_lowest():
+    """A BLEU peak early in training spends the patience counted in BLEU while the loss still
+    falls; counted in loss, only the validations after the lowest loss count."""
+    lines = [f'| valid | {{"valid_loss": "{loss}", "valid_bleu": "{bleu}", "valid_num_updates": "{update}"}}'
+             for update, bleu, loss in [(200, 9.0, 7.0), (400, 3.0, 6.0), (600, 4.0, 5.5), (800, 5.0, 5.6), (1000, 6.0, 5.5)]]
+    assert grid._validations_since_best(lines) == 4
+    assert grid._validations_since_best(lines, metric="loss") == 2  # after the first of the equal lowest
+    assert grid._validations_since_best(lines, until=600, metric="loss") == 0
+
+
 @pytest.mark.parametrize("table, message", [
     ("[convergence]\npatience = 2", r"\[convergence\] needs validate_every"),
     ("[convergence]\nvalidate_every = 0\npatience = 2", "validate_every must be a positive integer"),
+    ("[convergence]\nvalidate_every = 2\npatience = 2\nmetric = \"accuracy\"", "metric must be one of bleu, loss"),
 ])
 def test_a_bad_convergence_table_is_refused(tmp_path, table, message):
     config = tmp_path / "grid.toml"

@@ -70,8 +70,9 @@ naming the file.
     [convergence]  # train to convergence: max_update becomes the cap
     validate_every = 200  # validation BLEU and loss every K updates (the learning curve)
     patience = 5  # stop once validation BLEU has not improved for P evaluations
+    metric = "bleu"  # or "loss": patience and checkpoint_best.pt follow the validation loss
 
-With ``[convergence]`` the decoded checkpoint is the one of best validation BLEU (or the average
+With ``[convergence]`` the decoded checkpoint is the one of best validation BLEU (or loss; or the average
 of the last ``average_last`` checkpoints), and the report adds the learning curves
 (``results-curves.png``: validation BLEU and loss per system, mean and seed band), the update
 at which each seed stopped, and the systems compared at matched updates

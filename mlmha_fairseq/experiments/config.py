@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.corpora import POSTPROCESS, Corpus
 from mlmha_fairseq.experiments.slurm import SlurmLauncher
-from mlmha_fairseq.experiments.grid import MODEL, TOKEN_BATCHES, Batching, Convergence, Settings
+from mlmha_fairseq.experiments.grid import METRICS, MODEL, TOKEN_BATCHES, Batching, Convergence, Settings
 from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES, System, lookup, multi_source_system
 
 
@@ -71,6 +71,7 @@ LAUNCHER_SCHEMA = {
 CONVERGENCE_SCHEMA = {
     "validate_every": (_positive, "a positive integer (updates between validations)"),
     "patience": (_positive, "a positive integer (validations without a gain before the run stops)"),
+    "metric": (lambda v: v in METRICS, f"one of {', '.join(METRICS)} (what patience and checkpoint_best.pt follow)"),
 }
 CORPUS_SCHEMA = {
     "dir": (_text, "a folder (a build_corpus output, or where to build)"),
@@ -183,7 +184,7 @@ def load_config(path: str) -> Experiment:
     convergence = config.get("convergence")
     if convergence is not None:
         check_table(convergence, CONVERGENCE_SCHEMA, f"{path}: [convergence]")
-        missing = sorted(set(CONVERGENCE_SCHEMA) - set(convergence))
+        missing = sorted({"validate_every", "patience"} - set(convergence))
         if missing:
             raise UsageError(f"{path}: [convergence] needs {' and '.join(missing)}")
     launcher = config.get("launcher")

@@ -55,7 +55,7 @@ def run_stop(run: Run, settings: Settings) -> str:
     log = run.path("logs", "train.log")
     reason = stop_reason(log, settings.max_update)
     if (reason == NOT_STOPPED and run.finished and settings.convergence
-            and validations_since_best(log) >= settings.convergence.patience):
+            and validations_since_best(log, metric=settings.convergence.metric) >= settings.convergence.patience):
         return dict(STOPS)[CONVERGED]
     return reason
 

@@ -137,12 +137,25 @@ def run_command(command: List[str], log_path: str, work_dir: str,
     logger.info("  done in %.0f s", time.time() - start)
 
 
+# what a run converges on: fairseq's --best-checkpoint-metric, and which of a curve's values is best
+METRICS = {"bleu": max, "loss": min}
+METRIC_NAMES = {"bleu": "BLEU", "loss": "loss"}
+
+
 class Convergence(NamedTuple):
-    """Train until validation BLEU has not improved for ``patience`` evaluations, one every
-    ``validate_every`` updates (fairseq's ``--patience``), or until ``max_update``."""
+    """Train until the validation ``metric`` has not improved for ``patience`` evaluations, one
+    every ``validate_every`` updates (fairseq's ``--patience``), or until ``max_update``; the
+    decoded checkpoint_best.pt is the one of the best value. ``bleu`` (the default) stops on
+    the score that is reported; ``loss`` (label-smoothed cross-entropy) is smoother, so that one
+    noisy BLEU peak early in training does not spend the patience of a run that still learns."""
 
     validate_every: int
     patience: int
+    metric: str = "bleu"
+
+    @property
+    def metric_name(self) -> str:
+        return METRIC_NAMES[self.metric]
 
 
 EPOCHS_NEVER = 1_000_000  # an epoch interval no run reaches
@@ -179,22 +192,23 @@ class Settings:
     def budget(self) -> str:
         budget = f"{self.max_update} updates of {self.batching.size:,} {self.batching.unit} each"
         if self.convergence:
-            budget = (f"up to {budget}, stopped when validation BLEU has not improved for "
+            budget = (f"up to {budget}, stopped when validation {self.convergence.metric_name} has not improved for "
                       f"{self.convergence.patience} evaluations (one every {self.convergence.validate_every} updates)")
         return budget
 
     def convergence_options(self) -> List:
-        """fairseq-train's own options for validation BLEU every K updates, checkpoint_best.pt
-        chosen by it, and the stop after P evaluations without a gain (``--patience``); epoch
-        ends neither validate nor save, so that every point of a curve is K updates apart."""
+        """fairseq-train's own options for validation BLEU and loss every K updates,
+        checkpoint_best.pt chosen by the metric, and the stop after P evaluations without a gain
+        in it (``--patience``); epoch ends neither validate nor save, so that every point of a
+        curve is K updates apart. BLEU is validated with either metric: it is the curve."""
         if not self.convergence:
             return []
-        every = self.convergence.validate_every
+        every, metric = self.convergence.validate_every, self.convergence.metric
         generation = {"beam": self.beam, "max_len_a": 1.2, "max_len_b": 10}
         return [
             "--eval-bleu", "--eval-bleu-args", json.dumps(generation), "--eval-bleu-remove-bpe",
             "--eval-bleu-detok", "moses", "--eval-bleu-detok-args", json.dumps({"target_lang": self.target}),
-            "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+            "--best-checkpoint-metric", metric, *(["--maximize-best-checkpoint-metric"] if METRICS[metric] is max else []),
             "--patience", self.convergence.patience, "--validate-interval-updates", every,
             "--validate-interval", EPOCHS_NEVER, "--save-interval", EPOCHS_NEVER, "--log-format", "json",
         ]
@@ -290,34 +304,36 @@ def usable_last_checkpoint(run: Run) -> int:
     return updates
 
 
-CONVERGED = "converged: no gain in validation BLEU in its last"  # the runner's own stop, in a run's log
+# the runner's own stop, in a run's log, followed by the metric: "... validation BLEU in its last 5
+# validations" (the logs of earlier versions, BLEU only, hold the same words)
+CONVERGED = "converged: no gain in validation"
 
 
-def _validations_since_best(lines: Sequence[str], until: float = float("inf")) -> int:
+def _validations_since_best(lines: Sequence[str], until: float = float("inf"), metric: str = "bleu") -> int:
     from mlmha_fairseq.evaluation.text_io import InputError
     from mlmha_fairseq.evaluation.training_curves import log_curves
 
     try:
-        values = [value for update, value in log_curves(lines, "bleu")["valid"] if update <= until]
+        values = [value for update, value in log_curves(lines, metric)["valid"] if update <= until]
     except InputError:  # no validation logged yet
         return 0
-    return len(values) - 1 - values.index(max(values)) if values else 0
+    return len(values) - 1 - values.index(METRICS[metric](values)) if values else 0
 
 
-def validations_since_best(log_path: str, until: float = float("inf")) -> int:
+def validations_since_best(log_path: str, until: float = float("inf"), metric: str = "bleu") -> int:
     """The validations a run's log records (up to update ``until``) after its best validation
-    BLEU (the first of equal bests: fairseq's ``--patience`` counts an equal value as no
+    ``metric`` (the first of equal bests: fairseq's ``--patience`` counts an equal value as no
     improvement); 0 without any."""
-    return _validations_since_best(log_text(log_path).splitlines(), until)
+    return _validations_since_best(log_text(log_path).splitlines(), until, metric)
 
 
-def converged_over_attempts(log_path: str, patience: int) -> bool:
+def converged_over_attempts(log_path: str, convergence: Convergence) -> bool:
     """Whether a run's log (all its attempts) shows ``patience`` validations without a gain in
-    BLEU, the last one's checkpoint saved (fairseq logs "Saved checkpoint" once every copy is
-    written), so that stopping the run there loses nothing. Asked every STOP_CHECK_SECONDS:
-    the log is read once."""
+    the metric, the last one's checkpoint saved (fairseq logs "Saved checkpoint" once every
+    copy is written), so that stopping the run there loses nothing. Asked every
+    STOP_CHECK_SECONDS: the log is read once."""
     text = log_text(log_path)
-    return (_validations_since_best(text.splitlines()) >= patience
+    return (_validations_since_best(text.splitlines(), metric=convergence.metric) >= convergence.patience
             and text.rfind("Saved checkpoint") > text.rfind('"valid_bleu"'))
 
 
@@ -347,10 +363,11 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     resumed_to_converge = bool(settings.convergence and done)
     # up to the checkpoint it resumes from: later validations (a run stopped before their
     # save) are done again
-    if resumed_to_converge and validations_since_best(log_path, until=done) >= settings.convergence.patience:
-        record_convergence(run, "not trained again")
+    convergence = settings.convergence
+    if resumed_to_converge and validations_since_best(log_path, done, convergence.metric) >= convergence.patience:
+        record_convergence(run, convergence, "not trained again")
         return
-    stop_when = (lambda: converged_over_attempts(log_path, settings.convergence.patience)) if resumed_to_converge else None
+    stop_when = (lambda: converged_over_attempts(log_path, convergence)) if resumed_to_converge else None
     system = run.system
     run_command(fairseq_train(
         settings.train_args, settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
@@ -369,19 +386,20 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         *system.options,  # last: a system may replace the criterion
     ), log_path, work_dir, on_poll, settings.env, stop_when)
     if stop_when and stop_when():
-        record_convergence(run, "stopped")
+        record_convergence(run, convergence, "stopped")
     else:
         write_text(run.path("train.done"), "")
 
 
-def record_convergence(run: Run, action: str) -> None:
+def record_convergence(run: Run, convergence: Convergence, action: str) -> None:
     """Mark a run converged by the runner's count: in its log, where the curve report reads
     the stop, and by ``train.done``."""
     log_path = run.path("logs", "train.log")
-    spent = validations_since_best(log_path)
-    logger.info("  %s: %s %d validations: %s", run.name, CONVERGED, spent, action)
+    spent = validations_since_best(log_path, metric=convergence.metric)
+    stop = f"{CONVERGED} {convergence.metric_name} in its last {spent} validations"
+    logger.info("  %s: %s: %s", run.name, stop, action)
     with open(log_path, "a") as log:
-        log.write(f"[experiment] {CONVERGED} {spent} validations\n")
+        log.write(f"[experiment] {stop}\n")
     write_text(run.path("train.done"), "")
 
 
