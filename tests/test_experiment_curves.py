@@ -202,6 +202,14 @@ def test_validations_since_best_counts_after_the_first_of_equal_bests(tmp_path):
     assert grid.validations_since_best(log) == 0
 
 
+def test_the_runners_stop_is_read_from_the_logs_of_earlier_versions_and_of_either_metric(tmp_path):
+    log = tmp_path / "train.log"
+    for line in ("[experiment] converged: no gain in validation BLEU in its last 5 validations",  # earlier versions
+                 "[experiment] converged: no gain in validation loss in its last 5 validations"):
+        log.write_text("Stopping training due to num_updates: 400 >= max_update: 400\n" + line + "\n")
+        assert curves.stop_reason(str(log), 8000) == "patience (over the attempts, counted by the runner)"
+
+
 def test_validations_since_best_in_loss_count_after_its_lowest():
     """A BLEU peak early in training spends the patience counted in BLEU while the loss still
     falls; counted in loss, only the validations after the lowest loss count."""
