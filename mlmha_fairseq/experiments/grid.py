@@ -323,7 +323,8 @@ def _validations_since_best(lines: Sequence[str], until: float = float("inf"), m
 def validations_since_best(log_path: str, until: float = float("inf"), metric: str = "bleu") -> int:
     """The validations a run's log records (up to update ``until``) after its best validation
     ``metric`` (the first of equal bests: fairseq's ``--patience`` counts an equal value as no
-    improvement); 0 without any."""
+    improvement); 0 without any. fairseq logs the loss to 3 decimals, so a gain under 0.0005,
+    which its own count sees, reads here as a tie."""
     return _validations_since_best(log_text(log_path).splitlines(), until, metric)
 
 
