@@ -182,6 +182,8 @@ def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
     # stopped at its last validation (the runner stops it within a second of that checkpoint)
     assert (seed["stopped_at"], seed["validations"]) == (75, 3)
+    if metric == "bleu":  # the report's best is by BLEU, whichever metric stopped the run
+        assert seed["best_update"] == 25
     assert seed["stopped_by"] == "patience (over the attempts, counted by the runner)"
     assert list((run_dir / "checkpoints").glob("checkpoint_*_75.pt"))  # saved before the stop
     assert (work / "commands.log").read_text().count("fairseq_cli.train") == 2
@@ -210,14 +212,15 @@ def test_the_runners_stop_is_read_from_the_logs_of_earlier_versions_and_of_eithe
         assert curves.stop_reason(str(log), 8000) == "patience (over the attempts, counted by the runner)"
 
 
-def test_validations_since_best_in_loss_count_after_its_lowest():
+def test_validations_since_best_in_loss_count_after_its_lowest(tmp_path):
     """A BLEU peak early in training spends the patience counted in BLEU while the loss still
     falls; counted in loss, only the validations after the lowest loss count."""
-    lines = [f'| valid | {{"valid_loss": "{loss}", "valid_bleu": "{bleu}", "valid_num_updates": "{update}"}}'
-             for update, bleu, loss in [(200, 9.0, 7.0), (400, 3.0, 6.0), (600, 4.0, 5.5), (800, 5.0, 5.6), (1000, 6.0, 5.5)]]
-    assert grid._validations_since_best(lines) == 4
-    assert grid._validations_since_best(lines, metric="loss") == 2  # after the first of the equal lowest
-    assert grid._validations_since_best(lines, until=600, metric="loss") == 0
+    run = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 1000), str(tmp_path)).runs[0]
+    write_log(run, [(200, 9.0, 7.0), (400, 3.0, 6.0), (600, 4.0, 5.5), (800, 5.0, 5.6), (1000, 6.0, 5.5)])
+    log = run.path("logs", "train.log")
+    assert grid.validations_since_best(log) == 4
+    assert grid.validations_since_best(log, metric="loss") == 2  # after the first of the equal lowest
+    assert grid.validations_since_best(log, until=600, metric="loss") == 0
 
 
 @pytest.mark.parametrize("table, message", [
