@@ -30,7 +30,7 @@ def test_the_report_finds_each_seeds_best_and_stop_and_compares_at_the_last_comm
         ("Transformer (fairseq)", 1): [(200, 1.0, 7.0), (400, 2.0, 6.0), (600, 1.5, 5.9)],
         ("Transformer (fairseq)", 2): [(200, 1.2, 7.1), (400, 2.6, 6.1), (600, 3.0, 5.8), (800, 2.9, 5.7)],
         ("MLMHA M-00", 1): [(200, 3.0, 6.5), (400, 5.0, 5.5)],  # still training: stopped nowhere yet
-        ("MLMHA M-00", 2): [(200, 2.0, 6.6), (400, 4.0, 5.6), (600, 4.0, 5.4)],  # a tie: the earlier is best
+        ("MLMHA M-00", 2): [(200, 2.0, 6.6), (400, 4.0, 5.4), (600, 4.0, 5.4)],  # ties: the earlier is best
     }
     for run in runs.runs:
         write_log(run, logs[(run.system.name, run.seed)])
@@ -38,12 +38,14 @@ def test_the_report_finds_each_seeds_best_and_stop_and_compares_at_the_last_comm
     assert report["matched_update"] == 400  # the last validation every run reached
     assert report["matched_bleu"] == {"Transformer (fairseq)": [2.0, 2.6], "MLMHA M-00": [5.0, 4.0]}
     assert report["seeds"]["Transformer (fairseq)"][2] == {
-        "stopped_at": 800, "stopped_by": curves.NOT_STOPPED, "finished": False, "best_bleu": 3.0, "best_update": 600, "validations": 4}
+        "stopped_at": 800, "stopped_by": curves.NOT_STOPPED, "finished": False, "best_bleu": 3.0, "best_update": 600,
+        "lowest_loss": 5.7, "lowest_loss_update": 800, "validations": 4}
     assert report["seeds"]["MLMHA M-00"][2]["best_update"] == 400
+    assert report["seeds"]["MLMHA M-00"][2]["lowest_loss_update"] == 400
     assert report["curves"]["MLMHA M-00"][1]["loss"] == [(200, 6.5), (400, 5.5)]
 
     text = curves.write_curve_report(runs, str(tmp_path / "results-curves"))
-    assert f"| Transformer (fairseq) | 2 | 800 | {curves.NOT_STOPPED} | no | 3.00 | 600 | 4 |" in text
+    assert f"| Transformer (fairseq) | 2 | 800 | {curves.NOT_STOPPED} | no | 3.00 | 600 | 5.700 | 800 | 4 |" in text
     assert "Validation BLEU at update 400" in text and "| MLMHA M-00 | 4.50 ± 0.71 | 2 |" in text
     assert (tmp_path / "results-curves.png").stat().st_size > 0
     assert json.loads((tmp_path / "results-curves.json").read_text())["matched_update"] == 400
@@ -182,8 +184,8 @@ def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
     # stopped at its last validation (the runner stops it within a second of that checkpoint)
     assert (seed["stopped_at"], seed["validations"]) == (75, 3)
-    if metric == "bleu":  # the report's best is by BLEU, whichever metric stopped the run
-        assert seed["best_update"] == 25
+    # the report has the best of both, whichever metric stopped the run
+    assert seed["best_update" if metric == "bleu" else "lowest_loss_update"] == 25
     assert seed["stopped_by"] == "patience (over the attempts, counted by the runner)"
     assert list((run_dir / "checkpoints").glob("checkpoint_*_75.pt"))  # saved before the stop
     assert (work / "commands.log").read_text().count("fairseq_cli.train") == 2

@@ -83,8 +83,9 @@ def matched_update(curves: Dict[str, Dict[int, Dict[str, Curve]]]) -> Optional[f
 
 
 def curve_report(grid: Grid) -> Dict:
-    """Per system and seed: where the run stopped, its best validation BLEU and when; the
-    systems at the matched update."""
+    """Per system and seed: where the run stopped, its best validation BLEU and its lowest
+    validation loss and when (the earlier of equal ones; with ``metric = "loss"`` the lowest
+    loss's is the decoded checkpoint); the systems at the matched update."""
     curves: Dict[str, Dict[int, Dict[str, Curve]]] = {}
     for run in grid.runs:
         run_curve = run_curves(run)
@@ -95,6 +96,7 @@ def curve_report(grid: Grid) -> Dict:
         seeds[name] = {}
         for seed, run_curve in runs.items():
             best_update, best = max(run_curve["bleu"], key=lambda point: (point[1], -point[0]))
+            lowest_update, lowest = min(run_curve["loss"], key=lambda point: (point[1], point[0]))
             run = next(r for r in grid.runs if r.system.name == name and r.seed == seed)
             log = run.path("logs", "train.log")
             stopped_by = run_stop(run, grid.settings)
@@ -102,7 +104,9 @@ def curve_report(grid: Grid) -> Dict:
             # runner's stop may come a few updates after it, which are not kept)
             stopped_at = int(run_curve["bleu"][-1][0]) if stopped_by.startswith("patience") else last_update(log)
             seeds[name][seed] = {"stopped_at": stopped_at, "stopped_by": stopped_by,
-                                 "finished": run.finished, "best_bleu": best, "best_update": best_update, "validations": len(run_curve["bleu"])}
+                                 "finished": run.finished, "best_bleu": best, "best_update": best_update,
+                                 "lowest_loss": lowest, "lowest_loss_update": lowest_update,
+                                 "validations": len(run_curve["bleu"])}
     update = matched_update(curves)
     matched = {name: [dict(run["bleu"])[update] for run in runs.values()] for name, runs in curves.items()
                } if update is not None else {}
@@ -115,13 +119,15 @@ def write_curve_report(grid: Grid, prefix: str) -> str:
     if not report["curves"]:
         return ""
     plot_learning_curves(report["curves"], STATS, prefix + ".png")
-    lines = ["| system | seed | stopped at update | stopped by | finished | best validation BLEU | at update | validations |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | seed | stopped at update | stopped by | finished | best validation BLEU | at update "
+             "| lowest validation loss | at update | validations |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, seeds in report["seeds"].items():
         for seed, row in sorted(seeds.items()):
             lines.append(f"| {name} | {seed} | {row['stopped_at']} | {row['stopped_by']} | "
                          f"{'yes' if row['finished'] else 'no'} | "
-                         f"{row['best_bleu']:.2f} | {row['best_update']:.0f} | {row['validations']} |")
+                         f"{row['best_bleu']:.2f} | {row['best_update']:.0f} | "
+                         f"{row['lowest_loss']:.3f} | {row['lowest_loss_update']:.0f} | {row['validations']} |")
     if report["matched_update"] is not None:
         lines += ["", f"Validation BLEU at update {report['matched_update']:.0f}, the last that every run reached "
                       "(mean ± sd over seeds):", "", "| system | validation BLEU | seeds |", "|---|---|---|"]
