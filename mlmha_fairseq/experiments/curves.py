@@ -15,7 +15,7 @@ from mlmha_fairseq.evaluation.replicates import mean_sd_text
 from mlmha_fairseq.evaluation.text_io import InputError, write_json, write_text
 from mlmha_fairseq.evaluation.training_curves import read_log_curves
 from mlmha_fairseq.experiments.grid import (
-    CONVERGED, Grid, Run, Settings, failure_line, last_update, log_text, validations_since_best)
+    CONVERGED, Grid, Run, Settings, best_point, failure_line, last_update, log_text, validations_since_best)
 
 STATS = (("bleu", "validation BLEU"), ("loss", "validation loss"))
 Curve = List[Tuple[float, float]]
@@ -95,8 +95,8 @@ def curve_report(grid: Grid) -> Dict:
     for name, runs in curves.items():
         seeds[name] = {}
         for seed, run_curve in runs.items():
-            best_update, best = max(run_curve["bleu"], key=lambda point: (point[1], -point[0]))
-            lowest_update, lowest = min(run_curve["loss"], key=lambda point: (point[1], point[0]))
+            best_update, best = best_point(run_curve["bleu"], "bleu")
+            lowest_update, lowest = best_point(run_curve["loss"], "loss")
             run = next(r for r in grid.runs if r.system.name == name and r.seed == seed)
             log = run.path("logs", "train.log")
             stopped_by = run_stop(run, grid.settings)

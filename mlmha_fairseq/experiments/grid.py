@@ -309,15 +309,22 @@ def usable_last_checkpoint(run: Run) -> int:
 CONVERGED = "converged: no gain in validation"
 
 
+def best_point(points: Sequence[Tuple[float, float]], metric: str) -> Tuple[float, float]:
+    """The best of a curve's ``(update, value)`` points (in update order) in ``metric``: the
+    first of equal bests, as fairseq's ``--patience`` counts an equal value as no improvement."""
+    best = METRICS[metric](value for _, value in points)
+    return next(point for point in points if point[1] == best)
+
+
 def _validations_since_best(lines: Sequence[str], until: float = float("inf"), metric: str = "bleu") -> int:
     from mlmha_fairseq.evaluation.text_io import InputError
     from mlmha_fairseq.evaluation.training_curves import log_curves
 
     try:
-        values = [value for update, value in log_curves(lines, metric)["valid"] if update <= until]
+        points = [point for point in log_curves(lines, metric)["valid"] if point[0] <= until]
     except InputError:  # no validation logged yet
         return 0
-    return len(values) - 1 - values.index(METRICS[metric](values)) if values else 0
+    return len(points) - 1 - points.index(best_point(points, metric)) if points else 0
 
 
 def validations_since_best(log_path: str, until: float = float("inf"), metric: str = "bleu") -> int:
