@@ -2,6 +2,7 @@
 its failing run is reported, a rerun skips every finished run, a stopped run resumes."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -302,3 +303,31 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
         if sharing.work_dir == loaded.work_dir and "convergence" in loaded.settings:
             assert {k: v for k, v in loaded.settings.items() if k != "systems"} == {
                 k: v for k, v in sharing.settings.items() if k != "systems"}, other
+
+
+def test_progress_of_a_resumed_run_counts_from_its_checkpoint_not_the_earlier_attempts_log(tmp_path, caplog):
+    """A run stopped at update 2,850 resumes from its checkpoint at 2,800: its progress line
+    says 2,800 until the new attempt logs, then that attempt's updates, timed from 2,800."""
+    runs = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 8000), str(tmp_path))
+    run = runs.runs[0]
+    log = run.path("logs", "train.log")
+    os.makedirs(os.path.dirname(log))
+    with open(log, "w") as handle:
+        handle.write('{"epoch": 26, "num_updates": "2850"}\n')
+    log_start = len(grid.log_text(log))
+
+    def progress(line: str) -> str:
+        with open(log, "a") as handle:
+            handle.write(line + "\n")
+        caplog.clear()
+        with caplog.at_level("INFO", logger=grid.logger.name):
+            runs._progress(1, run, time.time() - 60, log_start)
+        return caplog.records[-1].getMessage()
+
+    assert "2800/8000 updates" in progress("| INFO | fairseq.trainer | Loaded checkpoint "
+                                           "checkpoint_last.pt (epoch 26 @ 2800 updates)")
+    assert progress("").endswith("remaining unknown (training)")
+    line = progress('{"epoch": 26, "num_updates": "2850"}')
+    assert "2850/8000 updates" in line
+    # 50 updates in 60 s (and the few ms since): the 5,150 left take 103 minutes
+    assert re.search(r"remaining ~(\d+)m\d\ds \(training\)$", line).group(1) == "103"

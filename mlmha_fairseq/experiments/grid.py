@@ -254,10 +254,18 @@ def log_text(log_path: str) -> str:
         return ""
 
 
-def last_update(log_path: str) -> int:
-    """The last ``num_updates`` fairseq-train logged, 0 if none yet."""
-    found = re.findall(r"num_updates\"?[=\s|:\"]+(\d+)", log_text(log_path))  # simple and json log formats
+def last_update(log_path: str, since: int = 0) -> int:
+    """The last ``num_updates`` fairseq-train logged (after the log's first ``since`` characters),
+    0 if none yet."""
+    found = re.findall(r"num_updates\"?[=\s|:\"]+(\d+)", log_text(log_path)[since:])  # simple and json log formats
     return int(found[-1]) if found else 0
+
+
+def resumed_update(log_path: str, since: int = 0) -> int:
+    """The update of the checkpoint fairseq-train restored (its "Loaded checkpoint ... (epoch E
+    @ U updates)" line after the log's first ``since`` characters), 0 if none yet."""
+    found = re.search(r"Loaded checkpoint .* @ (\d+) updates\)", log_text(log_path)[since:])
+    return int(found.group(1)) if found else 0
 
 
 def usable_last_checkpoint(run: Run) -> int:
@@ -490,13 +498,18 @@ class Grid:
         self.start = time.time()
         self.jobs = 1  # runs at a time (execute's), for the time estimate
 
-    def _progress(self, number: int, run: Run, run_start: float, first_update: int) -> None:
+    def _progress(self, number: int, run: Run, run_start: float, log_start: int) -> None:
         """One line per running run: its updates, and the grid's remaining training time at
         this run's speed with ``self.jobs`` runs at a time (an upper bound when runs may stop
-        early at convergence)."""
-        done = last_update(run.path("logs", "train.log"))
-        left = sum(self.settings.max_update - last_update(other.path("logs", "train.log"))
-                   for other in self.runs if not other.finished)
+        early at convergence). Only this attempt's part of the log (after its first
+        ``log_start`` characters) counts: an earlier attempt may have logged updates past the
+        checkpoint this one resumed from."""
+        log_path = run.path("logs", "train.log")
+        first_update = resumed_update(log_path, log_start)
+        done = last_update(log_path, log_start) or first_update
+        left = sum(self.settings.max_update - (
+            done if other is run else last_update(other.path("logs", "train.log")))
+            for other in self.runs if not other.finished)
         seconds = (time.time() - run_start) / max(1, done - first_update)
         bound = "at most " if self.settings.convergence else ""
         remaining = f"{bound}~{minutes(left * seconds / self.jobs)}" if done > first_update else "unknown"
@@ -535,7 +548,8 @@ class Grid:
         if run.finished:
             logger.info("run %d of %d, %s: finished earlier, skipped", number, len(self.runs), run.name)
         else:
-            first_update = last_update(run.path("logs", "train.log"))
+            log_path = run.path("logs", "train.log")
+            log_start = len(log_text(log_path))
             verb = "resumes from its last checkpoint" if os.path.isfile(
                 os.path.join(run.checkpoints, "checkpoint_last.pt")) else "starts"
             logger.info("run %d of %d, %s: %s (up to %d updates, %s)", number, len(self.runs), run.name, verb,
@@ -544,7 +558,7 @@ class Grid:
             try:
                 with exclusive_folder(run.directory, "run folder"):
                     execute(run, settings, references, self.work_dir,
-                            lambda: self._progress(number, run, run_start, first_update))
+                            lambda: self._progress(number, run, run_start, log_start))
             except (RunFailed, UsageError, ValueError) as failure:
                 logger.error("run %d of %d, %s FAILED: %s", number, len(self.runs), run.name, failure)
                 return [(run, str(failure).splitlines()[0])]
