@@ -106,6 +106,8 @@ def test_a_finished_run_whose_log_shows_the_patience_spent_was_stopped_by_the_ru
     assert curves.run_stop(run, settings) == "patience (over the attempts, counted by the runner)"
     no_convergence = grid.Settings("bin", "en", 1000)
     assert curves.run_stop(run, no_convergence) == curves.NOT_STOPPED
+    fixed_budget = grid.Settings("bin", "en", 1000, convergence=grid.Convergence(200, 0))
+    assert curves.run_stop(run, fixed_budget) == curves.NOT_STOPPED
 
 
 def test_a_run_without_validations_yet_has_no_curve(tmp_path):
@@ -195,6 +197,28 @@ def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric
     assert (checkpoint["best_checkpoint_metric"], checkpoint["maximize_best_checkpoint_metric"]) == (metric, metric == "bleu")
 
 
+def test_patience_0_trains_to_the_cap_with_its_curve_resumed_or_not(tmp_path):
+    """A fixed budget: no --patience, and a resumed run whose best validation is far behind it
+    (here made unbeatable) is neither skipped nor stopped by the runner's count."""
+    work, config = tmp_path / "work", tmp_path / "grid.toml"
+    config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 24").replace("patience = 2", "patience = 0")
+                      .format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
+    run_dir = work / "runs" / "transformer--fairseq" / "seed1"
+    log = run_dir / "logs" / "train.log"
+    assert experiment.main([str(config), "--max-update", "8", "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    (run_dir / "train.done").unlink()
+    (run_dir / "scores.json").unlink()
+    log.write_text(re.sub(*UNBEATABLE["bleu"], log.read_text(), count=1))
+
+    assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
+    assert (seed["stopped_at"], seed["stopped_by"], seed["validations"], seed["best_update"]) == (24, "max_update", 6, 4)
+    commands = (work / "commands.log").read_text()
+    assert commands.count("fairseq_cli.train") == 2 and "--patience" not in commands
+    assert grid.CONVERGED not in log.read_text()
+    assert "24 updates of 400 tokens each, validated every 4 updates" in (work / "results.md").read_text()
+
+
 def test_validations_since_best_counts_after_the_first_of_equal_bests(tmp_path):
     run = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 1000), str(tmp_path)).runs[0]
     log = run.path("logs", "train.log")
@@ -228,6 +252,7 @@ def test_validations_since_best_in_loss_count_after_its_lowest(tmp_path):
 @pytest.mark.parametrize("table, message", [
     ("[convergence]\npatience = 2", r"\[convergence\] needs validate_every"),
     ("[convergence]\nvalidate_every = 0\npatience = 2", "validate_every must be a positive integer"),
+    ("[convergence]\nvalidate_every = 2\npatience = -1", r"patience must be an integer >= 0 \(validations"),
     ("[convergence]\nvalidate_every = 2\npatience = 2\nmetric = \"accuracy\"", "metric must be one of bleu, loss"),
 ])
 def test_a_bad_convergence_table_is_refused(tmp_path, table, message):

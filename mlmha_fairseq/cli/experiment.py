@@ -69,7 +69,7 @@ naming the file.
 
     [convergence]  # train to convergence: max_update becomes the cap
     validate_every = 200  # validation BLEU and loss every K updates (the learning curve)
-    patience = 5  # stop once validation BLEU has not improved for P evaluations
+    patience = 5  # stop once validation BLEU has not improved for P evaluations (0: never)
     metric = "bleu"  # or "loss": patience and checkpoint_best.pt follow the validation loss
 
 With ``[convergence]`` the decoded checkpoint is the one of best validation BLEU (or loss; or the average

@@ -70,7 +70,8 @@ LAUNCHER_SCHEMA = {
 }
 CONVERGENCE_SCHEMA = {
     "validate_every": (_positive, "a positive integer (updates between validations)"),
-    "patience": (_positive, "a positive integer (validations without a gain before the run stops)"),
+    "patience": (_count, "an integer >= 0 (validations without a gain before the run stops; "
+                         "0: never, a fixed budget of max_update with its curve)"),
     "metric": (lambda v: v in METRICS, f"one of {', '.join(METRICS)} (what patience and checkpoint_best.pt follow)"),
 }
 CORPUS_SCHEMA = {

@@ -147,11 +147,17 @@ class Convergence(NamedTuple):
     every ``validate_every`` updates (fairseq's ``--patience``), or until ``max_update``; the
     decoded checkpoint_best.pt is the one of the best value. ``bleu`` (the default) stops on
     the score that is reported; ``loss`` (label-smoothed cross-entropy) is smoother, so that one
-    noisy BLEU peak early in training does not spend the patience of a run that still learns."""
+    noisy BLEU peak early in training does not spend the patience of a run that still learns.
+    ``patience`` 0 never stops a run early: a fixed budget of ``max_update`` with its curve, so
+    that the curve, not a stopping rule, says whether a system catches up."""
 
     validate_every: int
     patience: int
     metric: str = "bleu"
+
+    @property
+    def stops_early(self) -> bool:
+        return self.patience > 0
 
     @property
     def metric_name(self) -> str:
@@ -191,7 +197,9 @@ class Settings:
     @property
     def budget(self) -> str:
         budget = f"{self.max_update} updates of {self.batching.size:,} {self.batching.unit} each"
-        if self.convergence:
+        if self.convergence and not self.convergence.stops_early:
+            budget = f"{budget}, validated every {self.convergence.validate_every} updates"
+        elif self.convergence:
             budget = (f"up to {budget}, stopped when validation {self.convergence.metric_name} has not improved for "
                       f"{self.convergence.patience} evaluations (one every {self.convergence.validate_every} updates)")
         return budget
@@ -209,7 +217,8 @@ class Settings:
             "--eval-bleu", "--eval-bleu-args", json.dumps(generation), "--eval-bleu-remove-bpe",
             "--eval-bleu-detok", "moses", "--eval-bleu-detok-args", json.dumps({"target_lang": self.target}),
             "--best-checkpoint-metric", metric, *(["--maximize-best-checkpoint-metric"] if METRICS[metric] is max else []),
-            "--patience", self.convergence.patience, "--validate-interval-updates", every,
+            *(["--patience", self.convergence.patience] if self.convergence.stops_early else []),
+            "--validate-interval-updates", every,
             "--validate-interval", EPOCHS_NEVER, "--save-interval", EPOCHS_NEVER, "--log-format", "json",
         ]
 
@@ -376,7 +385,7 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         write_text(run.path("train.done"), "")
         return
     log_path = run.path("logs", "train.log")
-    resumed_to_converge = bool(settings.convergence and done)
+    resumed_to_converge = bool(settings.convergence and settings.convergence.stops_early and done)
     # up to the checkpoint it resumes from: later validations (a run stopped before their
     # save) are done again
     convergence = settings.convergence
