@@ -161,6 +161,19 @@ UNBEATABLE = {"bleu": (r'"valid_bleu": "[0-9.]+"', '"valid_bleu": "100.0"'),
               "loss": (r'"valid_loss": "[0-9.]+"', '"valid_loss": "0.0"')}
 
 
+def stopped_attempt_with_an_unbeatable_first_validation(config, work, cap: int, metric: str):
+    """Train the grid's one run to update ``cap`` (the runner's --max-update), mark it
+    unfinished as a stopped attempt leaves it, and make its first validation's ``metric``
+    unbeatable; returns its log."""
+    run_dir = work / "runs" / "transformer--fairseq" / "seed1"
+    assert experiment.main([str(config), "--max-update", str(cap), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
+    (run_dir / "train.done").unlink()
+    (run_dir / "scores.json").unlink()
+    log = run_dir / "logs" / "train.log"
+    log.write_text(re.sub(*UNBEATABLE[metric], log.read_text(), count=1))
+    return log
+
+
 @pytest.mark.parametrize("metric", ["bleu", "loss"])
 def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric):
     """fairseq-train counts --patience afresh after a resume; the runner stops the resumed run
@@ -170,17 +183,12 @@ def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric
     config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 400\nwarmup_updates = 10")
                       .replace("validate_every = 4", f'validate_every = 25\nmetric = "{metric}"')
                       .format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
-    run_dir = work / "runs" / "transformer--fairseq" / "seed1"
-    log = run_dir / "logs" / "train.log"
-    # the first attempt: one validation, at update 25, then stopped (here by a smaller cap)
-    assert experiment.main([str(config), "--max-update", "25", "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
-    (run_dir / "train.done").unlink()
-    (run_dir / "scores.json").unlink()
-    # its metric made unbeatable: the next attempt must stop two validations later, at update
-    # 75, where fairseq's own count (from update 50, its first validation) cannot stop it yet
-    first = log.read_text()
-    assert first.count('"valid_bleu"') == 1
-    log.write_text(re.sub(*UNBEATABLE[metric], first))
+    # the first attempt: one validation, at update 25, its metric made unbeatable: the next
+    # attempt must stop two validations later, at update 75, where fairseq's own count (from
+    # update 50, its first validation) cannot stop it yet
+    log = stopped_attempt_with_an_unbeatable_first_validation(config, work, 25, metric)
+    run_dir = log.parent.parent
+    assert log.read_text().count('"valid_bleu"') == 1
 
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
@@ -203,12 +211,7 @@ def test_patience_0_trains_to_the_cap_with_its_curve_resumed_or_not(tmp_path):
     work, config = tmp_path / "work", tmp_path / "grid.toml"
     config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 24").replace("patience = 2", "patience = 0")
                       .format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
-    run_dir = work / "runs" / "transformer--fairseq" / "seed1"
-    log = run_dir / "logs" / "train.log"
-    assert experiment.main([str(config), "--max-update", "8", "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
-    (run_dir / "train.done").unlink()
-    (run_dir / "scores.json").unlink()
-    log.write_text(re.sub(*UNBEATABLE["bleu"], log.read_text(), count=1))
+    log = stopped_attempt_with_an_unbeatable_first_validation(config, work, 8, "bleu")
 
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]

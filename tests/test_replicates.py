@@ -62,6 +62,23 @@ def test_report_rows_equal_hand_computed_mean_sd_and_s_sel():
     assert new.summary("BLEU")[0] > base.summary("BLEU")[0]
 
 
+def test_delta_compares_the_seeds_both_have():
+    """A system with one seed of the baseline's two (a partial grid) is compared with that
+    seed of the baseline, as its AR test is; without a shared seed there is no Δ."""
+    options = replicates.ReplicateOptions(bootstrap_samples=10, ar_trials=10)
+    report = replicates.build_report([("base", BASELINE), ("both", SYSTEM), ("one", {2: SYSTEM[2]}),
+                                      ("none", {3: SYSTEM[1]})], [REFERENCES], options, wordnet=load_wordnet())
+    base, both, one, none = report.rows
+    bleu = {name: [sacrebleu.corpus_bleu(runs[s], [REFERENCES]).score for s in sorted(runs)]
+            for name, runs in (("base", BASELINE), ("both", SYSTEM))}
+    assert both.delta(base) == pytest.approx(np.mean(bleu["both"]) - np.mean(bleu["base"]))
+    assert one.ar_seeds == [2] and one.delta(base) == pytest.approx(bleu["both"][1] - bleu["base"][1])
+    assert none.delta(base) is None and none.ar_p_value is None
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in
+            replicates.markdown_table(report, "2 updates").splitlines()[2:6]}
+    assert rows["one"][2] == f"{bleu['both'][1] - bleu['base'][1]:+.2f}" and rows["none"][2] == ""
+
+
 def direct_ar(baseline, system, references, trials, seed):
     """Approximate randomization over concatenated replicates written out directly: every
     (baseline, system) sentence pair swapped with probability 1/2, |BLEU difference| of the

@@ -110,6 +110,18 @@ class SystemRow:
             return None, None
         return mean_sd(values)
 
+    def bleu_over(self, seeds: Sequence[int]) -> float:
+        """Mean BLEU over ``seeds`` (a subset of this row's)."""
+        return mean_sd([score for seed, score in zip(self.seeds, self.scores["BLEU"]) if seed in seeds])[0]
+
+    def delta(self, baseline: "SystemRow") -> Optional[float]:
+        """Mean BLEU minus the baseline's over the seeds both have, the runs the AR test pairs:
+        while a grid is partial, a system with fewer seeds is not compared with the baseline's
+        other seeds. None without a shared seed."""
+        if not self.ar_seeds:
+            return None
+        return self.bleu_over(self.ar_seeds) - baseline.bleu_over(self.ar_seeds)
+
 
 @dataclass
 class ReplicateReport:
@@ -197,7 +209,7 @@ def _cells(report: ReplicateReport, row: SystemRow, plus_minus: str, extra_title
     bleu = mean_sd_text(row.scores["BLEU"], plus_minus)
     is_baseline = row is baseline
     mark = "" if is_baseline or row.ar_p_value is None else significance_mark(row.ar_p_value)
-    delta = "" if is_baseline else f"{row.summary('BLEU')[0] - baseline.summary('BLEU')[0]:+.2f}"
+    delta = "" if is_baseline or row.delta(baseline) is None else f"{row.delta(baseline):+.2f}"
     p_ar = "" if is_baseline or row.ar_p_value is None else f"{row.ar_p_value:.3f}"
     p_bs = "" if is_baseline else ", ".join(f"{row.bootstrap_p_values[s]:.3f}" for s in row.ar_seeds)
     cells = [row.name, bleu + mark, delta, f"{row.s_sel:.2f}", p_ar, p_bs,
@@ -215,7 +227,7 @@ def _footnote(report: ReplicateReport, budget: str) -> str:
     seeds = sorted({len(row.seeds) for row in report.rows})
     count = " or ".join(map(str, seeds))
     return (f"{budget}; mean ± sd over {count} training seed(s) (optimizer replicates); Δ: mean BLEU minus "
-            f"{report.baseline}'s; s_sel: test-set bootstrap sd of BLEU ({report.settings['bootstrap_samples']} "
+            f"{report.baseline}'s over the seeds both have; s_sel: test-set bootstrap sd of BLEU ({report.settings['bootstrap_samples']} "
             f"resamples) averaged over the seeds; p (AR): approximate randomization over the replicates "
             f"({report.settings['ar_trials']} trials, MultEval, Clark et al. 2011), † p<0.05, ‡ p<0.01; "
             f"p (paired bootstrap): sacreBLEU's, per seed in the order of 'seeds'. "
