@@ -305,10 +305,15 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
                 k: v for k, v in sharing.settings.items() if k != "systems"}, other
 
 
-def test_progress_of_a_resumed_run_counts_from_its_checkpoint_not_the_earlier_attempts_log(tmp_path, caplog):
+@pytest.mark.parametrize("convergence, bound", [(None, ""), (grid.Convergence(200, 5), "at most "),
+                                                (grid.Convergence(200, 0), "")])
+def test_progress_of_a_resumed_run_counts_from_its_checkpoint_not_the_earlier_attempts_log(
+        tmp_path, caplog, convergence, bound):
     """A run stopped at update 2,850 resumes from its checkpoint at 2,800: its progress line
-    says 2,800 until the new attempt logs, then that attempt's updates, timed from 2,800."""
-    runs = grid.Grid([systems.lookup("transformer")], [1], grid.Settings("bin", "en", 8000), str(tmp_path))
+    says 2,800 until the new attempt logs, then that attempt's updates, timed from 2,800. The
+    time left is a bound only where runs may stop early."""
+    settings = grid.Settings("bin", "en", 8000, convergence=convergence)
+    runs = grid.Grid([systems.lookup("transformer")], [1], settings, str(tmp_path))
     run = runs.runs[0]
     log = run.path("logs", "train.log")
     os.makedirs(os.path.dirname(log))
@@ -330,4 +335,4 @@ def test_progress_of_a_resumed_run_counts_from_its_checkpoint_not_the_earlier_at
     line = progress('{"epoch": 26, "num_updates": "2850"}')
     assert "2850/8000 updates" in line
     # 50 updates in 60 s (and the few ms since): the 5,150 left take 103 minutes
-    assert re.search(r"remaining ~(\d+)m\d\ds \(training\)$", line).group(1) == "103"
+    assert re.search(rf"remaining {bound}~(\d+)m\d\ds \(training\)$", line).group(1) == "103"

@@ -227,8 +227,8 @@ def _footnote(report: ReplicateReport, budget: str) -> str:
     seeds = sorted({len(row.seeds) for row in report.rows})
     count = " or ".join(map(str, seeds))
     return (f"{budget}; mean ± sd over {count} training seed(s) (optimizer replicates); Δ: mean BLEU minus "
-            f"{report.baseline}'s over the seeds both have; s_sel: test-set bootstrap sd of BLEU ({report.settings['bootstrap_samples']} "
-            f"resamples) averaged over the seeds; p (AR): approximate randomization over the replicates "
+            f"{report.baseline}'s over the seeds both have; s_sel: test-set bootstrap sd of BLEU "
+            f"({report.settings['bootstrap_samples']} resamples) averaged over the seeds; p (AR): approximate randomization over the replicates "
             f"({report.settings['ar_trials']} trials, MultEval, Clark et al. 2011), † p<0.05, ‡ p<0.01; "
             f"p (paired bootstrap): sacreBLEU's, per seed in the order of 'seeds'. "
             f"BLEU {report.signatures.get('BLEU', '')}; chrF {report.signatures.get('chrF', '')}; "

@@ -520,7 +520,7 @@ class Grid:
             done if other is run else last_update(other.path("logs", "train.log")))
             for other in self.runs if not other.finished)
         seconds = (time.time() - run_start) / max(1, done - first_update)
-        bound = "at most " if self.settings.convergence else ""
+        bound = "at most " if self.settings.convergence and self.settings.convergence.stops_early else ""
         remaining = f"{bound}~{minutes(left * seconds / self.jobs)}" if done > first_update else "unknown"
         logger.info("run %d of %d, %s: %d/%d updates; elapsed %s, remaining %s (training)", number,
                     len(self.runs), run.name, done, self.settings.max_update, minutes(time.time() - self.start),
