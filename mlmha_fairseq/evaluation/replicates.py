@@ -209,7 +209,8 @@ def _cells(report: ReplicateReport, row: SystemRow, plus_minus: str, extra_title
     bleu = mean_sd_text(row.scores["BLEU"], plus_minus)
     is_baseline = row is baseline
     mark = "" if is_baseline or row.ar_p_value is None else significance_mark(row.ar_p_value)
-    delta = "" if is_baseline or row.delta(baseline) is None else f"{row.delta(baseline):+.2f}"
+    difference = None if is_baseline else row.delta(baseline)
+    delta = "" if difference is None else f"{difference:+.2f}"
     p_ar = "" if is_baseline or row.ar_p_value is None else f"{row.ar_p_value:.3f}"
     p_bs = "" if is_baseline else ", ".join(f"{row.bootstrap_p_values[s]:.3f}" for s in row.ar_seeds)
     cells = [row.name, bleu + mark, delta, f"{row.s_sel:.2f}", p_ar, p_bs,
@@ -228,8 +229,8 @@ def _footnote(report: ReplicateReport, budget: str) -> str:
     count = " or ".join(map(str, seeds))
     return (f"{budget}; mean ± sd over {count} training seed(s) (optimizer replicates); Δ: mean BLEU minus "
             f"{report.baseline}'s over the seeds both have; s_sel: test-set bootstrap sd of BLEU "
-            f"({report.settings['bootstrap_samples']} resamples) averaged over the seeds; p (AR): approximate randomization over the replicates "
-            f"({report.settings['ar_trials']} trials, MultEval, Clark et al. 2011), † p<0.05, ‡ p<0.01; "
+            f"({report.settings['bootstrap_samples']} resamples) averaged over the seeds; p (AR): approximate "
+            f"randomization over the replicates ({report.settings['ar_trials']} trials, MultEval, Clark et al. 2011), † p<0.05, ‡ p<0.01; "
             f"p (paired bootstrap): sacreBLEU's, per seed in the order of 'seeds'. "
             f"BLEU {report.signatures.get('BLEU', '')}; chrF {report.signatures.get('chrF', '')}; "
             f"METEOR: {report.meteor_note}; chrF++ {report.signatures.get('chrF++', '')}; "

@@ -54,7 +54,7 @@ def run_stop(run: Run, settings: Settings) -> str:
     versions)."""
     log = run.path("logs", "train.log")
     reason = stop_reason(log, settings.max_update)
-    if (reason == NOT_STOPPED and run.finished and settings.convergence and settings.convergence.stops_early
+    if (reason == NOT_STOPPED and run.finished and settings.stops_early
             and validations_since_best(log, metric=settings.convergence.metric) >= settings.convergence.patience):
         return dict(STOPS)[CONVERGED]
     return reason

@@ -195,11 +195,16 @@ class Settings:
         return ["--cpu"] if self.cpu else []
 
     @property
+    def stops_early(self) -> bool:
+        """Whether runs may stop before ``max_update`` (a convergence with patience)."""
+        return bool(self.convergence and self.convergence.stops_early)
+
+    @property
     def budget(self) -> str:
         budget = f"{self.max_update} updates of {self.batching.size:,} {self.batching.unit} each"
-        if self.convergence and not self.convergence.stops_early:
+        if self.convergence and not self.stops_early:
             budget = f"{budget}, validated every {self.convergence.validate_every} updates"
-        elif self.convergence:
+        elif self.stops_early:
             budget = (f"up to {budget}, stopped when validation {self.convergence.metric_name} has not improved for "
                       f"{self.convergence.patience} evaluations (one every {self.convergence.validate_every} updates)")
         return budget
@@ -385,7 +390,7 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         write_text(run.path("train.done"), "")
         return
     log_path = run.path("logs", "train.log")
-    resumed_to_converge = bool(settings.convergence and settings.convergence.stops_early and done)
+    resumed_to_converge = bool(settings.stops_early and done)
     # up to the checkpoint it resumes from: later validations (a run stopped before their
     # save) are done again
     convergence = settings.convergence
@@ -520,7 +525,7 @@ class Grid:
             done if other is run else last_update(other.path("logs", "train.log")))
             for other in self.runs if not other.finished)
         seconds = (time.time() - run_start) / max(1, done - first_update)
-        bound = "at most " if self.settings.convergence and self.settings.convergence.stops_early else ""
+        bound = "at most " if self.settings.stops_early else ""
         remaining = f"{bound}~{minutes(left * seconds / self.jobs)}" if done > first_update else "unknown"
         logger.info("run %d of %d, %s: %d/%d updates; elapsed %s, remaining %s (training)", number,
                     len(self.runs), run.name, done, self.settings.max_update, minutes(time.time() - self.start),
