@@ -132,7 +132,11 @@ def test_a_killed_runner_takes_its_training_with_it_and_a_rerun_resumes_within_t
 
     arguments = [str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]
     assert experiment.main(arguments) == 0
-    assert "Loaded checkpoint" in _text(run_dir / "logs" / "train.log")  # the second attempt's
+    loaded = re.search(r"Loaded checkpoint .* @ (\d+) updates\)", _text(run_dir / "logs" / "train.log"))
+    assert loaded, "the second attempt did not resume"
+    # the second attempt counts from the checkpoint fairseq restored, not from the first's log
+    assert grid.attempt_progress(str(run_dir / "logs" / "train.log")) == (int(loaded.group(1)), 30)
+    assert int(loaded.group(1)) > 0
     assert grid.last_update(str(run_dir / "logs" / "train.log")) == 30
     assert (run_dir / "scores.json").exists()
 
@@ -310,28 +314,29 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
 def test_progress_of_a_resumed_run_counts_from_its_checkpoint_not_the_earlier_attempts_log(
         tmp_path, caplog, convergence, bound):
     """A run stopped at update 2,850 resumes from its checkpoint at 2,800: its progress line
-    says 2,800 until the new attempt logs, then that attempt's updates, timed from 2,800. The
-    time left is a bound only where runs may stop early."""
+    (and its Slurm job's status, the same count) says 2,800 from the attempt's start, before
+    fairseq has loaded anything, then that attempt's updates, timed from 2,800. The time left
+    is a bound only where runs may stop early."""
     settings = grid.Settings("bin", "en", 8000, convergence=convergence)
     runs = grid.Grid([systems.lookup("transformer")], [1], settings, str(tmp_path))
     run = runs.runs[0]
     log = run.path("logs", "train.log")
-    os.makedirs(os.path.dirname(log))
-    with open(log, "w") as handle:
+    grid.mark_attempt(log, 0)
+    with open(log, "a") as handle:
         handle.write('{"epoch": 26, "num_updates": "2850"}\n')
-    log_start = len(grid.log_text(log))
+    assert grid.attempt_progress(log) == (0, 2850)
 
     def progress(line: str) -> str:
         with open(log, "a") as handle:
             handle.write(line + "\n")
         caplog.clear()
         with caplog.at_level("INFO", logger=grid.logger.name):
-            runs._progress(1, run, time.time() - 60, log_start)
+            runs._progress(1, run, time.time() - 60)
         return caplog.records[-1].getMessage()
 
-    assert "2800/8000 updates" in progress("| INFO | fairseq.trainer | Loaded checkpoint "
-                                           "checkpoint_last.pt (epoch 26 @ 2800 updates)")
-    assert progress("").endswith("remaining unknown (training)")
+    grid.mark_attempt(log, 2800)
+    line = progress("")
+    assert "2800/8000 updates" in line and line.endswith("remaining unknown (training)")
     line = progress('{"epoch": 26, "num_updates": "2850"}')
     assert "2850/8000 updates" in line
     # 50 updates in 60 s (and the few ms since): the 5,150 left take 103 minutes

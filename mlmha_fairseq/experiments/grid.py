@@ -268,18 +268,38 @@ def log_text(log_path: str) -> str:
         return ""
 
 
-def last_update(log_path: str, since: int = 0) -> int:
-    """The last ``num_updates`` fairseq-train logged (after the log's first ``since`` characters),
-    0 if none yet."""
-    found = re.findall(r"num_updates\"?[=\s|:\"]+(\d+)", log_text(log_path)[since:])  # simple and json log formats
+def _last_logged_update(text: str) -> int:
+    found = re.findall(r"num_updates\"?[=\s|:\"]+(\d+)", text)  # simple and json log formats
     return int(found[-1]) if found else 0
 
 
-def resumed_update(log_path: str, since: int = 0) -> int:
-    """The update of the checkpoint fairseq-train restored (its "Loaded checkpoint ... (epoch E
-    @ U updates)" line after the log's first ``since`` characters), 0 if none yet."""
-    found = re.search(r"Loaded checkpoint .* @ (\d+) updates\)", log_text(log_path)[since:])
-    return int(found.group(1)) if found else 0
+def last_update(log_path: str) -> int:
+    """The last ``num_updates`` fairseq-train logged in the whole log, 0 if none yet."""
+    return _last_logged_update(log_text(log_path))
+
+
+ATTEMPT = "[experiment] training from update "
+
+
+def mark_attempt(log_path: str, update: int) -> None:
+    """Start a training attempt in the run's log: the update of the checkpoint it resumes
+    from (0: none), which :func:`attempt_progress` counts from."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "a") as log:
+        log.write(f"{ATTEMPT}{update}\n")
+
+
+def attempt_progress(log_path: str) -> Tuple[int, int]:
+    """(first, done): the update the run's latest training attempt started from and the last
+    update it logged (``first`` until it logs one). Only that attempt counts: an earlier one
+    may have logged updates past the checkpoint this one resumed from, so its count would step
+    back. A log from before attempts were marked counts whole, from 0."""
+    text = log_text(log_path)
+    _, marked, attempt = text.rpartition(ATTEMPT)
+    if not marked:
+        return 0, _last_logged_update(text)
+    first, _, logged = attempt.partition("\n")
+    return int(first), max(int(first), _last_logged_update(logged))
 
 
 def usable_last_checkpoint(run: Run) -> int:
@@ -399,6 +419,7 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         return
     stop_when = (lambda: converged_over_attempts(log_path, convergence)) if resumed_to_converge else None
     system = run.system
+    mark_attempt(log_path, done)
     run_command(fairseq_train(
         settings.train_args, settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
         "--arch", system.arch,
@@ -512,18 +533,13 @@ class Grid:
         self.start = time.time()
         self.jobs = 1  # runs at a time (execute's), for the time estimate
 
-    def _progress(self, number: int, run: Run, run_start: float, log_start: int) -> None:
-        """One line per running run: its updates, and the grid's remaining training time at
-        this run's speed with ``self.jobs`` runs at a time (an upper bound when runs may stop
-        early at convergence). Only this attempt's part of the log (after its first
-        ``log_start`` characters) counts: an earlier attempt may have logged updates past the
-        checkpoint this one resumed from."""
-        log_path = run.path("logs", "train.log")
-        first_update = resumed_update(log_path, log_start)
-        done = last_update(log_path, log_start) or first_update
-        left = sum(self.settings.max_update - (
-            done if other is run else last_update(other.path("logs", "train.log")))
-            for other in self.runs if not other.finished)
+    def _progress(self, number: int, run: Run, run_start: float) -> None:
+        """One line per running run: its updates in this attempt (:func:`attempt_progress`),
+        and the grid's remaining training time at this run's speed with ``self.jobs`` runs at
+        a time (an upper bound when runs may stop early at convergence)."""
+        first_update, done = attempt_progress(run.path("logs", "train.log"))
+        left = sum(self.settings.max_update - attempt_progress(other.path("logs", "train.log"))[1]
+                   for other in self.runs if not other.finished)
         seconds = (time.time() - run_start) / max(1, done - first_update)
         bound = "at most " if self.settings.stops_early else ""
         remaining = f"{bound}~{minutes(left * seconds / self.jobs)}" if done > first_update else "unknown"
@@ -562,8 +578,6 @@ class Grid:
         if run.finished:
             logger.info("run %d of %d, %s: finished earlier, skipped", number, len(self.runs), run.name)
         else:
-            log_path = run.path("logs", "train.log")
-            log_start = len(log_text(log_path))
             verb = "resumes from its last checkpoint" if os.path.isfile(
                 os.path.join(run.checkpoints, "checkpoint_last.pt")) else "starts"
             logger.info("run %d of %d, %s: %s (up to %d updates, %s)", number, len(self.runs), run.name, verb,
@@ -572,7 +586,7 @@ class Grid:
             try:
                 with exclusive_folder(run.directory, "run folder"):
                     execute(run, settings, references, self.work_dir,
-                            lambda: self._progress(number, run, run_start, log_start))
+                            lambda: self._progress(number, run, run_start))
             except (RunFailed, UsageError, ValueError) as failure:
                 logger.error("run %d of %d, %s FAILED: %s", number, len(self.runs), run.name, failure)
                 return [(run, str(failure).splitlines()[0])]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.experiments.grid import Grid, Run, Settings, execute, last_update, slug
+from mlmha_fairseq.experiments.grid import Grid, Run, Settings, attempt_progress, execute, slug
 from mlmha_fairseq.output_files import exclusive_folder
 
 logger = logging.getLogger("mlmha_fairseq.experiment")
@@ -147,7 +147,7 @@ def wait_for(waiting: Dict[str, Run], max_update: int) -> List[Tuple[Run, str]]:
                 failures.append((run, message))
         if waiting:
             logger.info("%d Slurm job(s) queued or running: %s", len(waiting), "; ".join(
-                f"{job_id} {run.name} {last_update(run.path('logs', 'train.log'))}/{max_update} updates"
+                f"{job_id} {run.name} {attempt_progress(run.path('logs', 'train.log'))[1]}/{max_update} updates"
                 for job_id, run in sorted(waiting.items())))
             time.sleep(POLL_SECONDS)
     return failures
