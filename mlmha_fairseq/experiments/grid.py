@@ -538,8 +538,9 @@ class Grid:
         and the grid's remaining training time at this run's speed with ``self.jobs`` runs at
         a time (an upper bound when runs may stop early at convergence)."""
         first_update, done = attempt_progress(run.path("logs", "train.log"))
-        left = sum(self.settings.max_update - attempt_progress(other.path("logs", "train.log"))[1]
-                   for other in self.runs if not other.finished)
+        left = sum(self.settings.max_update - (
+            done if other is run else attempt_progress(other.path("logs", "train.log"))[1])
+            for other in self.runs if not other.finished)
         seconds = (time.time() - run_start) / max(1, done - first_update)
         bound = "at most " if self.settings.stops_early else ""
         remaining = f"{bound}~{minutes(left * seconds / self.jobs)}" if done > first_update else "unknown"
