@@ -2,12 +2,10 @@
 builds the model) is refused, with one line naming the option, by every tool that loads a
 checkpoint; the code never runs. Each payload would create a sentinel file if it ran."""
 import argparse
-import ast
 import os
 import pathlib
 import pickle
 import shutil
-import warnings
 
 import fairseq
 import pytest
@@ -18,15 +16,17 @@ from mlmha_fairseq.cli import (
     aif_dependency, attention_stats, dc_diversity, dump_attention, mlrf_hop_weights, multi_source_attention, probe,
 )
 from mlmha_fairseq.experiments import grid, systems
-from mlmha_fairseq.compat import EVALUATED_OPTIONS, CheckedNamespace, is_code
+from mlmha_fairseq import compat
+from mlmha_fairseq.compat import REFUSED, CheckedNamespace, UnsafeCheckpointError, literal_value, refusal
 from mlmha_fairseq.evaluation.model_loading import load_model
 from mlmha_fairseq.evaluation.text_io import InputError
 from test_bad_input import _RunsCommandWhenUnpickled
 from test_eval_bad_input import cli_error
 
-# the options of this package's models (and fairseq's transformer) that fairseq evaluates
-REACHABLE = ("adaptive_softmax_cutoff", "xformers_att_config")
-REFUSED = "is Python code, not a value"
+# where a payload reaches fairseq's eval() from these models' options: under fairseq's own names
+# (copied into cfg.encoder/cfg.decoder.xformers_att_config before evaluation) and as a sub-dict
+REACHABLE = ("adaptive_softmax_cutoff", "encoder_xformers_att_config", "decoder_xformers_att_config",
+             "decoder.xformers_att_config")
 
 
 def payload(sentinel) -> str:
@@ -47,7 +47,11 @@ def planted(checkpoint, field, tmp_path, as_dict=False):
     sentinel = tmp_path / f"code-ran-{field}"
     state = torch.load(checkpoint, weights_only=False)
     model = state["cfg"]["model"]
-    setattr(model, field, payload(sentinel))
+    if "." in field:  # a sub-dict: decoder = {"xformers_att_config": ...}
+        section, name = field.split(".")
+        setattr(model, section, {name: payload(sentinel)})
+    else:
+        setattr(model, field, payload(sentinel))
     if as_dict:
         state["cfg"]["model"] = vars(model)
     malicious = tmp_path / f"malicious-{field}.pt"
@@ -55,10 +59,16 @@ def planted(checkpoint, field, tmp_path, as_dict=False):
     return malicious, sentinel
 
 
+def named(field: str) -> str:
+    """How a refusal names ``field``: the sub-dict's key follows its section's name."""
+    return f"{field.split('.')[-1]}="
+
+
 def assert_refused(stderr: str, field: str):
     lines = stderr.strip().splitlines()
     assert "Traceback" not in stderr
-    assert f"{field}=" in lines[-1] and REFUSED in lines[-1]
+    assert len(lines) == 1 or not lines[-1].startswith(" ")
+    assert named(field) in lines[-1] and REFUSED in lines[-1]
 
 
 @pytest.mark.parametrize("field", REACHABLE)
@@ -101,7 +111,7 @@ def test_package_tools_refuse_a_checkpoint_with_code_in_an_option(trained, data_
                                         enumerate([(s, l) for s in ("tr", "va", "te") for l in "ab"])))
     main, options = TOOLS[tool]
     line = cli_error(main, [malicious, "--data-bin", data_bin, *[o.format(**files) for o in options]], capsys)
-    assert f"{field}=" in line and REFUSED in line and str(malicious) in line
+    assert named(field) in line and REFUSED in line and str(malicious) in line
     assert not sentinel.exists()
     assert not list(tmp_path.glob("out*"))
 
@@ -115,43 +125,68 @@ def test_options_stored_as_a_dict_are_checked_before_the_model_is_built(trained,
 
 @pytest.mark.parametrize("value", [
     "__import__('os').system('true')", "exec('1')", "open('x', 'w')", "[x for x in ()]", "lambda: 0",
-    "().__class__", "os.environ", "f'{1}'", "[5] + foo", "(x := 1)",
+    "f'{1}'", "f'{0:999999999}'", "[5] + foo()", "(x := 1)", "'%9999999999d' % 0", "2 ** 10 ** 10", "1 << 10 ** 10",
+    "[0 for a in 'abcdefgh' for b in 'abcdefgh']", "sys.modules['os']", "{**x}", "(os.system\n('x'))", " \t__import__('os')",
 ])
-def test_code_is_recognised(value):
-    assert is_code(value)
+def test_code_is_refused_whatever_it_is_stored_under(value):
+    assert refusal(value) == REFUSED
+    with pytest.raises(compat.NotALiteral):
+        literal_value(value)
+
+
+@pytest.mark.parametrize("value", ["[0] * 10000000000", "'a' * 100000", "(1,) * 70000", "[0] * 60000 + [0] * 60000",
+                                   "10000000000 * [[0]]"])
+def test_a_literal_that_would_exhaust_memory_is_refused(value):
+    assert refusal(value).startswith("is a literal that would build a value of")
+    with pytest.raises(UnsafeCheckpointError, match="is a literal that would build a value of"):
+        fairseq.utils.eval_str_list(value)
 
 
 @pytest.mark.parametrize("value", [
     "5000,20000", "[5000, 20000]", "(0.9, 0.98)", "(0.9,0.98)", "{'dropout': 0.1}", '{"name": "blocksparse"}',
-    "[(512, 3)] * 20", "-1", "True", "None", "1e-3", "", "not python ((", "relu",
+    "[(512, 3)] * 20", "[(512, 3)] * 9 + [(1024, 3)] * 4", "[(512, 10, 5)] + [(512, 3, 2)] * 4", "-1", "True",
+    "None", "1e-3", "1e-30,1e-3", "{}", "[]", "False",
 ])
-def test_data_is_not_code(value):
-    """Literals, fconv's default layer spec (a product of literals), and strings that are not an
-    expression at all (eval fails before running anything). A bare name such as ``relu`` is no
-    code either (eval would only look it up) but holds no value: it is refused as code, which no
-    option fairseq evaluates ever stores."""
-    assert is_code(value) is (value == "relu")
+def test_literals_evaluate_as_eval_does(value):
+    """The values fairseq documents for the options it evaluates (defaults and examples of its
+    help), through the literal-only parsers: what fairseq's eval() gives."""
+    expected = eval(value)  # noqa: S307 (the test's own literals)
+    assert refusal(value) is None
+    assert literal_value(value) == expected
+    assert fairseq.utils.eval_str_dict(value) == expected
+    assert fairseq.utils.eval_bool(value) == bool(expected)
 
 
-def _evaluated_attributes(source: str):
-    """``X`` of every ``eval(<...>.X)``, ``eval_str_list(<...>.X)``, ``eval_str_dict(<...>.X)``,
-    ``eval_bool(<...>.X)`` call in ``source``."""
-    with warnings.catch_warnings():  # fairseq's own invalid escape sequences
-        warnings.simplefilter("ignore", DeprecationWarning)
-        tree = ast.parse(source)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Attribute):
-            function = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
-            if function in {"eval", "eval_str_list", "eval_str_dict", "eval_bool"}:
-                yield node.args[0].attr
+@pytest.mark.parametrize("value", ["relu", "transformer_wmt_en_de", "data-bin/wmt14.en-de", "M-10", "s1,s2",
+                                   "not python ((", "/abs/path/x.pt", "checkpoints/run.1", ""])
+def test_names_and_paths_stay_in_a_checkpoint(value):
+    """A name or a path is looked up, never run: a checkpoint may store it (an architecture, a
+    data folder, a preset). fairseq's parsers still refuse it, as no literal."""
+    assert refusal(value) is None
+    if value.isidentifier():
+        with pytest.raises(UnsafeCheckpointError, match="is not a literal value"):
+            fairseq.utils.eval_str_list(value)
 
 
-def test_every_option_the_installed_fairseq_evaluates_is_checked():
-    root = pathlib.Path(fairseq.__file__).parent
-    found = {name for path in root.rglob("*.py") if "examples" not in path.parts
-             for name in _evaluated_attributes(path.read_text(errors="replace"))}
-    assert found, "the scan found no eval() of an option: it no longer reads fairseq's source"
-    assert found <= EVALUATED_OPTIONS, sorted(found - EVALUATED_OPTIONS)
+def test_no_loaded_fairseq_module_holds_an_eval_based_option_parser():
+    """fairseq's eval_str_list, eval_str_dict and eval_bool are replaced wherever fairseq bound
+    them (``fairseq.utils``, the modules that imported them by name); fairseq's other direct
+    ``eval()`` calls read Namespaces, whose strings are checked on unpickling."""
+    import sys
+
+    held = [(name, attr) for name, module in list(sys.modules.items())
+            if module is not None and name.split(".")[0] in {"fairseq", "fairseq_cli"}
+            for attr in compat.LITERAL_OPTION_PARSERS
+            if getattr(getattr(module, attr, None), "__module__", None) == "fairseq.utils"]
+    assert not held
+    assert fairseq.utils.eval_str_dict is compat.eval_str_dict
+
+
+def test_a_command_line_option_that_is_code_is_refused_naming_it(tmp_path):
+    sentinel = tmp_path / "ran"
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        fairseq.utils.eval_str_list(payload(sentinel), type=int)
+    assert REFUSED in str(refused.value) and not sentinel.exists()
 
 
 def test_a_checked_namespace_is_saved_again_as_fairseqs_plain_namespace(trained):

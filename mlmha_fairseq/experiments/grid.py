@@ -315,14 +315,16 @@ def usable_last_checkpoint(run: Run) -> int:
     is the file the truncated copy was being made from."""
     from fairseq.checkpoint_utils import checkpoint_paths, load_checkpoint_to_cpu
 
-    from mlmha_fairseq.compat import UnsafeCheckpointError
+    from mlmha_fairseq.compat import UnsafeCheckpointError, check_stored_options
     from mlmha_fairseq.evaluation.model_loading import trained_updates
 
     last = os.path.join(run.checkpoints, "checkpoint_last.pt")
     if not os.path.isfile(last):
         return 0
     try:
-        return trained_updates(load_checkpoint_to_cpu(last))
+        state = load_checkpoint_to_cpu(last)
+        check_stored_options(state)  # options stored as dicts, which unpickling does not check
+        return trained_updates(state)
     except Exception as error:  # any unreadable file: torch raises several kinds
         kind = "unsafe" if isinstance(error, UnsafeCheckpointError) else "unreadable"
         os.replace(last, f"{last}.{kind}")
