@@ -250,3 +250,31 @@ def test_what_fairseq_evaluates_is_refused_naming_it(checkpoints, corpora, tmp_p
                 load()
             assert_refused_naming(refused.value, side)
             assert not sentinel.exists()
+
+
+# the variants of issue 44 through the multi-source model's own entry points
+MULTI_SOURCE_VARIANTS = [("argparse", ("encoder_xformers_att_config",)), ("argparse", ("decoder_xformers_att_config",)),
+                         ("argparse", ("decoder", "xformers_att_config")), ("hydra", ("encoder_xformers_att_config",))]
+
+
+@pytest.mark.parametrize("form,field", MULTI_SOURCE_VARIANTS, ids=[f"{f}-{'.'.join(p)}" for f, p in MULTI_SOURCE_VARIANTS])
+def test_multi_source_interactive_and_hub_refuse_code_naming_it(checkpoints, corpora, tmp_path, form, field):
+    from mlmha_fairseq.models.multi_source import MultiSourceTransformerModel
+
+    sentinel = tmp_path / "ran"
+    state = torch.load(checkpoints("multi_source_transformer", form), weights_only=False)
+    if len(field) == 2:
+        plant(state, ("cfg", "model", field[0]), {field[1]: payload(sentinel)})
+    else:
+        plant(state, ("cfg", "model", *field), payload(sentinel))
+    (tmp_path / "ckpt").mkdir()
+    malicious = tmp_path / "ckpt" / "planted.pt"
+    torch.save(state, malicious)
+    result = run_fairseq("interactive", corpora["n_way"], "--user-dir", USER_DIR, "--path", malicious, "--cpu",
+                         "--beam", "1", *MULTI_SOURCE_TASK, input="w1 w2\tW1 W2\n", check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"{field[-1]}=" in lines[-1] and REFUSED in lines[-1]
+    with pytest.raises(UnsafeCheckpointError, match=f"{field[-1]}=.*{REFUSED}"):
+        MultiSourceTransformerModel.from_pretrained(str(malicious.parent), malicious.name, str(corpora["n_way"]))
+    assert not sentinel.exists()
