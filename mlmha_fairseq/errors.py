@@ -42,15 +42,45 @@ def unsafe_checkpoint_message(error: BaseException) -> Optional[str]:
             "thing, so the file carries code or was not written by fairseq; do not load it")
 
 
-def one_line_message(error: BaseException) -> Optional[str]:
+def _loaded_checkpoint(tb) -> Optional[str]:
+    """The file fairseq's ``load_checkpoint_to_cpu`` was reading where traceback ``tb`` was
+    raised inside ``torch.load``, if it was."""
+    path, in_torch_load = None, False
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "load_checkpoint_to_cpu":
+            path = tb.tb_frame.f_locals.get("path")
+        elif path is not None and code.co_name == "load" and code.co_filename.endswith(
+                os.path.join("torch", "serialization.py")):
+            in_torch_load = True
+        tb = tb.tb_next
+    return path if in_torch_load and isinstance(path, str) else None
+
+
+def truncated_checkpoint_message(error: BaseException, tb) -> Optional[str]:
+    """One line for torch's errors on a checkpoint file that is empty or cut short (``EOFError``,
+    the zip reader's ``OSError`` or ``PytorchStreamReader`` error) while fairseq loads it
+    (fairseq-generate, fairseq-train --restore-file), naming the file; None for any other error."""
+    truncated = isinstance(error, (EOFError, OSError)) or (
+        isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error))
+    path = _loaded_checkpoint(tb) if truncated else None
+    if path is None:
+        return None
+    reason = ' '.join(str(error).split())[:120] or type(error).__name__
+    return f"checkpoint {path} is empty or truncated ({reason}): use another checkpoint"
+
+
+def one_line_message(error: BaseException, tb=None) -> Optional[str]:
     """What a command prints for ``error`` instead of a traceback: a :class:`UsageError`'s
-    message, or the one line for torch's refusal of an unsafe checkpoint; None for any other
-    error, which keeps its traceback."""
-    return str(error) if isinstance(error, UsageError) else unsafe_checkpoint_message(error)
+    message, or the one line for torch's refusal of an unsafe checkpoint or for a truncated
+    one (``tb``: where it was raised); None for any other error, which keeps its traceback."""
+    if isinstance(error, UsageError):
+        return str(error)
+    return unsafe_checkpoint_message(error) or truncated_checkpoint_message(error, tb)
 
 
 def excepthook(exc_type, exc, tb, previous=None):
-    message = one_line_message(exc)
+    message = one_line_message(exc, tb)
     if message is not None:
         print(format_usage_error(message), file=sys.stderr)
         return

@@ -103,7 +103,10 @@ def exclusive_folder(directory: str, what: str) -> Iterator[None]:
     import socket
     import time
 
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:  # a place no folder can be made in (/proc/x), a full disk
+        raise UsageError(f"{what} {directory} cannot be created ({error.strerror}): choose another path") from None
     path = os.path.join(directory, LOCK_FILE)
     handle = open(path, "a+", encoding="utf-8")
     try:

@@ -5,6 +5,7 @@ import argparse
 import os
 import pathlib
 import pickle
+import re
 import shutil
 
 import fairseq
@@ -262,3 +263,21 @@ def test_a_pickled_callable_is_refused_by_the_package_tools_naming_it_without_th
                          "refuses: fairseq checkpoints store no such thing, so the file carries code or was not "
                          "written by fairseq; do not load it")
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("tool", ["generate", "train"])
+@pytest.mark.parametrize("cut", [0, 5000], ids=["empty", "truncated"])
+def test_an_empty_or_truncated_checkpoint_is_named_in_one_line(trained, data_bin, tmp_path, tool, cut):
+    """fairseq-generate --path and fairseq-train --restore-file, as a run stopped during a copy
+    leaves a checkpoint."""
+    cut_short = tmp_path / "cut.pt"
+    cut_short.write_bytes(trained.read_bytes()[:cut])
+    if tool == "generate":
+        argv = [data_bin, "--user-dir", USER_DIR, "--path", cut_short, "--cpu", "--beam", "1"]
+    else:
+        argv = [*train_args(data_bin, tmp_path / "resumed", "slot_transformer", max_update=2),
+                "--restore-file", cut_short]
+    result = run_fairseq(tool, *argv, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # torch's reason differs between its versions
+    assert re.search(rf"error: checkpoint {re.escape(str(cut_short))} is empty or truncated \(.+\): use another", last)

@@ -192,3 +192,13 @@ def test_strip_aux_decoders_into_its_input_through_a_link_is_refused(two_checkpo
     line = cli_error(strip_aux_decoders.main, [checkpoint, link], capsys)
     assert f"the output {link} is also an input" in line
     assert checkpoint.read_bytes() == before
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """A UTF-8 byte-order mark (Windows editors write one) would be the first character of the
+    first sentence, of its first token after BPE, and change BLEU; it is no text."""
+    from mlmha_fairseq.evaluation.text_io import read_lines
+
+    path = tmp_path / "refs.txt"
+    path.write_bytes("\ufeffThe dog bit the man.\nIt was not surprising.\n".encode("utf-8"))
+    assert read_lines(str(path)) == ["The dog bit the man.", "It was not surprising."]

@@ -195,6 +195,14 @@ BAD_CONFIGS = {
     'systems = [{ name = "x", arch = "transformer", argz = [] }]': "system 'x': unknown key(s) ['argz']",
     'systems = [{ name = "x", arch = "transformer", base = "transformer" }]': "either base or arch",
     "[corpus]\ndirr = 'x'": "[corpus]: unknown key(s) ['dirr']",
+    # two names, one run folder: the second would never train and get the first one's scores
+    'systems = [{ name = "A B", base = "transformer" }, { name = "a-b", base = "transformer" }]':
+        "systems 'A B' and 'a-b' would share the run folder runs/a-b",
+    'systems = [{ name = "+++", base = "transformer" }]': "system name '+++' has no letter or digit",
+    # a newline in a launcher value would be a line of the job script
+    'launcher = { sbatch = { comment = "x\\nrm -rf ~" } }': "sbatch must be a table of further sbatch options "
+                                                             "without control characters",
+    'launcher = { partition = "debug\\u0007" }': "partition must be a Slurm partition (no control characters)",
 }
 
 
@@ -213,12 +221,71 @@ def test_a_bad_config_is_refused_in_one_line_before_anything_runs(tmp_path, caps
     assert not (tmp_path / "work").exists()
 
 
-@pytest.mark.parametrize("option", ["--max-update", "--seeds"])
-def test_a_count_of_zero_on_the_command_line_is_refused(tmp_path, capsys, option):
+@pytest.mark.parametrize("option, value", [("--max-update", "0"), ("--seeds", "0"), ("--ar-trials", "-5"),
+                                           ("--bootstrap-samples", "0")])
+def test_a_count_of_zero_on_the_command_line_is_refused(tmp_path, capsys, option, value):
+    """(``--bootstrap-samples 0`` wrote a bare NaN into results.json.)"""
     with pytest.raises(SystemExit) as exit_info:
-        experiment.main([str(tmp_path / "grid.toml"), option, "0"])
+        experiment.main([str(tmp_path / "grid.toml"), option, value])
     assert exit_info.value.code == 2
-    assert f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
+    assert f"argument {option}: must be at least 1, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry, kind, message", [
+    ("runs", "file", "runs is not a folder"), ("logs", "file", "logs is not a folder"),
+    ("results.md", "folder", "results.md is a folder"), ("results-curves.png", "folder", "results-curves.png is a folder"),
+])
+def test_a_work_directory_entry_of_the_wrong_kind_is_refused_before_training(tmp_path, corpus, capsys, entry, kind,
+                                                                               message):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / entry).mkdir() if kind == "folder" else (work / entry).write_text("")
+    config = tmp_path / "grid.toml"
+    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\n[corpus]\ndir = "{corpus}"\n')
+    assert experiment.main([str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
+    assert sorted(os.listdir(work)) == [entry]
+
+
+def test_a_work_directory_that_cannot_be_created_is_refused_in_one_line(tmp_path, corpus, capsys):
+    config = tmp_path / "grid.toml"
+    config.write_text(f'work_dir = "/proc/mlmha-work"\nsystems = ["transformer"]\n[corpus]\ndir = "{corpus}"\n')
+    assert experiment.main([str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("experiment: error: work directory /proc/mlmha-work cannot be created")
+
+
+def test_a_launcher_without_slurm_is_refused_before_anything_runs(tmp_path, corpus, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    config = tmp_path / "grid.toml"
+    config.write_text(f'work_dir = "{tmp_path / "work"}"\nsystems = ["transformer"]\n[corpus]\ndir = "{corpus}"\n'
+                      '[launcher]\npartition = "debug"\n')
+    assert experiment.main([str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[launcher] submits the runs to Slurm, but sbatch is not on this machine's PATH" in err[0]
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_comet_model_that_cannot_load_is_refused_before_training(tmp_path, corpus):
+    """Where unbabel-comet cannot be imported (here: a ``comet`` package that fails to import,
+    first on the path), the runner stops before building or training anything."""
+    blocker = tmp_path / "site" / "comet"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('unbabel-comet is not installed here')\n")
+    model = tmp_path / "comet-model"
+    (model / "checkpoints").mkdir(parents=True)
+    (model / "hparams.yaml").write_text("pretrained_model: xlm-roberta-large\n")
+    (model / "checkpoints" / "model.ckpt").write_bytes(b"")
+    config = tmp_path / "grid.toml"
+    config.write_text(f'work_dir = "{tmp_path / "work"}"\nsystems = ["transformer"]\n[corpus]\ndir = "{corpus}"\n')
+    result = subprocess.run([sys.executable, "-m", "mlmha_fairseq.cli.experiment", str(config), "--comet-model",
+                             str(model)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"),
+                                                                             os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"--comet-model {model}: unbabel-comet is not installed" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "work" / "runs").exists()
 
 
 def test_a_work_directory_that_is_a_file_is_refused(tmp_path, corpus, capsys):

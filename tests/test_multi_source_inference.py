@@ -134,6 +134,8 @@ def test_image_features_are_the_rows_the_lines_name(n_way_bin, image_model):
     ("w1 w2\t16", True, "image source img: '16' in the input line 'w1 w2\\t16' is not a row of"),
     ("w1 w2\tfirst", True, "'first' in the input line"),
     ("w1 w2\t7", False, "the image source(s) img of input lines need --inference-image-features"),
+    ("w1 w2\t\u00b2", True, "'\u00b2' in the input line"),  # a digit to str.isdigit, not to int()
+    ("\t7", True, "an empty first or last field is lost"),
 ])
 def test_a_bad_line_ends_interactive_with_one_line(n_way_bin, image_model, line, with_features, message):
     features = ["--inference-image-features", n_way_bin / "test.img.npy"] if with_features else []

@@ -146,7 +146,7 @@ def command(main: Callable[[], Optional[int]]) -> NoReturn:
     try:
         status = main()
     except Exception as error:
-        message = one_line_message(error)
+        message = one_line_message(error, error.__traceback__)
         if message is None:
             raise
         print(format_usage_error(message), file=sys.stderr)

@@ -101,8 +101,8 @@ def parse_args(argv=None):
                              "directory lacks: seeds trained on other machines, or on one that lost its disk")
     parser.add_argument("--report-only", action="store_true",
                         help="write the table of the runs finished so far; train nothing")
-    parser.add_argument("--ar-trials", type=int, default=10000, help="approximate randomization trials (default: %(default)s)")
-    parser.add_argument("--bootstrap-samples", type=int, default=1000,
+    parser.add_argument("--ar-trials", type=cli_support.positive_int, default=10000, help="approximate randomization trials (default: %(default)s)")
+    parser.add_argument("--bootstrap-samples", type=cli_support.positive_int, default=1000,
                         help="bootstrap resamples for s_sel and the paired bootstrap (default: %(default)s)")
     cli_support.add_comet_model(parser, " with the raw test sentences of the first source language (a data_bin "
                                         "corpus: [corpus] test_sources)")

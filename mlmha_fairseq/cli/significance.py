@@ -39,13 +39,13 @@ def build_parser():
                         help="tests to run (default: thesis)")
     parser.add_argument("--mark-method", choices=METHODS,
                         help="method whose p-values give the daggers (default: the first of --methods)")
-    parser.add_argument("--n-samples", type=int, default=DEFAULT_SAMPLES,
+    parser.add_argument("--n-samples", type=cli_support.positive_int, default=DEFAULT_SAMPLES,
                         help="bootstrap resamples (default: %(default)s)")
     parser.add_argument("--sample-size", type=int, default=THESIS_SAMPLE_SIZE,
                         help="sentences per resample, thesis method (default: %(default)s)")
     parser.add_argument("--sample-ratio", type=float, default=COMPARE_MT_SAMPLE_RATIO,
                         help="fraction of the test set per resample, compare-mt (default: %(default)s)")
-    parser.add_argument("--ar-trials", type=int, default=DEFAULT_AR_TRIALS,
+    parser.add_argument("--ar-trials", type=cli_support.positive_int, default=DEFAULT_AR_TRIALS,
                         help="approximate randomization trials (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (default: %(default)s)")
     cli_support.add_text_options(parser)

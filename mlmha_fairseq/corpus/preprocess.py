@@ -19,6 +19,7 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer
 from subword_nmt.apply_bpe import BPE
 from subword_nmt.learn_bpe import learn_bpe
 
+from mlmha_fairseq.child_processes import end_with_parent
 from mlmha_fairseq.corpus.errors import CorpusError
 from mlmha_fairseq.corpus.splits import TRAIN
 from mlmha_fairseq.output_files import atomic_output
@@ -92,7 +93,7 @@ def _run_preprocess(arguments: Sequence[str], dest_dir: str) -> None:
     """Run ``fairseq-preprocess`` (its Python entry point in this interpreter)."""
     command = [sys.executable, "-m", PREPROCESS_MODULE, "--destdir", dest_dir, *arguments]
     logger.info("  fairseq-preprocess %s", " ".join(command[3:]))
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, preexec_fn=end_with_parent)
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).splitlines()[-ERROR_TAIL_LINES:])
         raise CorpusError(f"fairseq-preprocess failed (exit {result.returncode}):\n{tail}")

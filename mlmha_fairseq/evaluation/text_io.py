@@ -42,7 +42,7 @@ def _each_line(path: str, visit) -> None:
         raise InputError(f"file not found: {path}")
     seen = False
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is no text (it would change BLEU)
             for line in handle:
                 visit(line)
                 seen = True

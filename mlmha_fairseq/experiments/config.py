@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.corpora import POSTPROCESS, Corpus
 from mlmha_fairseq.experiments.slurm import SlurmLauncher
-from mlmha_fairseq.experiments.grid import METRICS, MODEL, TOKEN_BATCHES, Batching, Convergence, Settings
+from mlmha_fairseq.experiments.grid import METRICS, MODEL, TOKEN_BATCHES, Batching, Convergence, Settings, slug
 from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES, System, lookup, multi_source_system
 
 
@@ -26,6 +26,12 @@ def _arguments(value) -> bool:
     """A list of command-line words (numbers allowed: TOML writes 0.1 unquoted)."""
     return isinstance(value, list) and all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
                                            for a in value)
+
+
+def _plain(value) -> bool:
+    """No control character: a launcher value becomes part of a line of the job script, and a
+    newline in it would be a line of its own (a command)."""
+    return isinstance(value, (str, int)) and not any(ord(c) < 32 or ord(c) == 127 for c in str(value))
 
 
 def _texts(value) -> bool:
@@ -59,13 +65,13 @@ SCHEMA = {
     "launcher": (lambda v: isinstance(v, dict), "a table ([launcher]: Slurm)"),
 }
 LAUNCHER_SCHEMA = {
-    "partition": (_text, "a Slurm partition"),
+    "partition": (lambda v: _text(v) and _plain(v), "a Slurm partition (no control characters)"),
     "cpus_per_run": (_positive, "a positive integer"),
     "gpus_per_run": (_count, "an integer >= 0"),
     "time_min": (_positive, "a positive integer (minutes)"),
     "mem_gb": (_count, "an integer >= 0 (0: the partition's default)"),
-    "sbatch": (lambda v: isinstance(v, dict) and all(isinstance(x, (str, int)) for x in v.values()),
-               "a table of further sbatch options, e.g. { qos = \"high\" }"),
+    "sbatch": (lambda v: isinstance(v, dict) and all(_plain(k) and _plain(x) for k, x in v.items()),
+               "a table of further sbatch options without control characters, e.g. { qos = \"high\" }"),
     "wait": (lambda v: isinstance(v, bool), "true or false"),
 }
 CONVERGENCE_SCHEMA = {
@@ -106,6 +112,22 @@ def check_table(table: Dict, schema: Dict, where: str) -> None:
         valid, expected = schema[key]
         if not valid(value):
             raise UsageError(f"{where}: {key} must be {expected}, got {value!r}")
+
+
+def check_run_folders(names: List[str], where: str) -> None:
+    """Each system trains in ``runs/<slug of its name>``: two names of one slug (``"A B"`` and
+    ``"a-b"``) would share a folder, the second never trained and given the first one's scores,
+    and a name of punctuation only has no folder of its own."""
+    folders: Dict[str, str] = {}
+    for name in names:
+        folder = slug(name)
+        if not folder:
+            raise UsageError(f"{where}: system name {name!r} has no letter or digit, which its run folder is named "
+                             "after: give it one")
+        if folder in folders:
+            raise UsageError(f"{where}: systems {folders[folder]!r} and {name!r} would share the run folder "
+                             f"runs/{folder}: rename one")
+        folders[folder] = name
 
 
 def seeds_from(value, where: str) -> List[int]:
@@ -173,6 +195,7 @@ def load_config(path: str) -> Experiment:
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise UsageError(f"{path}: system(s) {repeated} listed more than once")
+    check_run_folders(names, path)
     baseline = config.get("baseline", names[0])
     if baseline not in names:
         try:

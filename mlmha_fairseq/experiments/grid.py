@@ -14,7 +14,6 @@ import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlmha_fairseq
+from mlmha_fairseq.child_processes import end_with_parent
 from mlmha_fairseq.experiments.systems import SIZES, System
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.output_files import exclusive_folder
@@ -67,18 +67,6 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
-def _end_with_parent() -> None:
-    """In the child, before exec: ask Linux to send SIGTERM when the runner's thread that
-    started it dies, even by SIGKILL, so that no fairseq-train outlives the runner and keeps
-    writing into a run folder that a rerun trains again. Other systems have no such request;
-    there a killed runner's children must be stopped by hand."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 CHAINED = "During handling of the above exception, another exception occurred:"
 
 
@@ -112,7 +100,7 @@ def run_command(command: List[str], log_path: str, work_dir: str,
         record.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} > {log_path}\n")
     start = time.time()
     with open(log_path, "a") as log:  # a resumed run adds to its log
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent,
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=end_with_parent,
                                    env={**os.environ, **env} if env else None)
         polled = time.time()
         while True:

@@ -12,7 +12,7 @@ from typing import Dict, List
 
 from mlmha_fairseq.corpus.builder import MANIFEST, TEXT_DIR
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
+from mlmha_fairseq.evaluation.comet import load_comet
 from mlmha_fairseq.evaluation.text_io import check_same_length, read_lines
 from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
 from mlmha_fairseq.experiments.corpora import Corpus, check_corpus, prepare_corpus
@@ -46,15 +46,44 @@ def slot_env(slot: int, threads: int, gpus: List[str]) -> Dict[str, str]:
 
 
 def check_comet(comet_model: str, corpus: Dict) -> None:
-    """Before anything runs: ``--comet-model`` is a COMET model folder, and a data-bin corpus
-    gives the raw test sources COMET reads, one per reference."""
-    checkpoint_path(comet_model)
+    """Before anything runs: ``--comet-model`` is a COMET model folder that loads (unbabel-comet
+    installed, its encoder local; loaded once, kept for the report), and a data-bin corpus gives
+    the raw test sources COMET reads, one per reference."""
+    load_comet(comet_model)
     if "data_bin" in corpus:
         if "test_sources" not in corpus:
             raise UsageError("--comet-model with a [corpus] data_bin needs test_sources = the raw test sentences "
                              "of the (first) source language")
         check_same_length([(corpus["test_sources"], read_lines(corpus["test_sources"])),
                            (corpus["test_references"], read_lines(corpus["test_references"]))])
+
+
+# what the runner writes in its work directory, by kind: one of the wrong kind (a file named runs,
+# a folder named results.md) would fail only when it is written, after the training
+WORK_DIR_FOLDERS = ("runs", "logs")
+WORK_DIR_FILES = ("commands.log", *(f"results{suffix}" for suffix in (".md", ".tex", ".json", ".png")),
+                  *(f"results-curves{suffix}" for suffix in (".md", ".json", ".png")))
+
+
+def check_work_dir_entries(work_dir: str) -> None:
+    for name in WORK_DIR_FOLDERS:
+        if os.path.lexists(os.path.join(work_dir, name)) and not os.path.isdir(os.path.join(work_dir, name)):
+            raise UsageError(f"work directory {work_dir}: {name} is not a folder; the runner keeps its {name} there: "
+                             "move it away")
+    for name in WORK_DIR_FILES:
+        if os.path.isdir(os.path.join(work_dir, name)):
+            raise UsageError(f"work directory {work_dir}: {name} is a folder; the runner writes a file of that name: "
+                             "move it away")
+
+
+def check_slurm() -> None:
+    """A ``[launcher]`` grid is submitted with Slurm's ``sbatch`` (submitit): refused up front
+    where there is none, rather than after the corpus is built."""
+    import shutil
+
+    if shutil.which("sbatch") is None:
+        raise UsageError("[launcher] submits the runs to Slurm, but sbatch is not on this machine's PATH: run the "
+                         "grid on a Slurm login node, or remove [launcher] to train here")
 
 
 def comet_sources(corpus_config: Dict, corpus: Corpus) -> List[str]:
@@ -138,7 +167,10 @@ def run(args) -> int:
             experiment.seeds = seeds_from(args.seeds, "--seeds")
         work_dir = args.work_dir or experiment.work_dir
         check_output_folder(work_dir, "work directory")
+        check_work_dir_entries(work_dir)
         check_corpus(experiment.corpus)
+        if experiment.launcher and not args.report_only:
+            check_slurm()
         if args.records and not os.path.isdir(args.records):
             raise UsageError(f"--records {args.records} is not a folder (create it, empty, to start recording)")
         if args.comet_model:

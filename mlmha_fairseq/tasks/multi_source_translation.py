@@ -240,13 +240,16 @@ class MultiSourceTranslationTask(GNMTLengthPenaltyMixin, TranslationTask):
         ``--inference-image-features`` file."""
         fields = line.split("\t")
         if len(fields) != len(self.source_names):
+            # fairseq-interactive strips each line, tabs included: an empty first or last field is gone
+            stripped = ("; fairseq-interactive strips tabs at both ends of a line, so an empty first or last field "
+                        "is lost: give every source some text") if len(fields) < len(self.source_names) else ""
             raise UsageError(f"the input line {_excerpt(line)} has {len(fields)} tab-separated field(s); "
                              f"--source-langs {self.cfg.source_langs} needs one per source: "
-                             f"{'<TAB>'.join(self.source_names)}")
+                             f"{'<TAB>'.join(self.source_names)}{stripped}")
         sources = []
         for k, (name, kind, text) in enumerate(zip(self.source_names, self.source_kinds, fields)):
             if kind == IMAGE:
-                row = int(text) if text.strip().isdigit() else -1
+                row = int(text) if text.strip().isascii() and text.strip().isdigit() else -1  # not "²"
                 self._check_image_row(k, row, f"{text!r} in the input line {_excerpt(line)}")
                 sources.append(row)
                 continue
