@@ -13,6 +13,7 @@ import pytest
 
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.experiments import corpora, grid, systems
+from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.config import load_config
 from mlmha_fairseq.output_files import exclusive_folder
 
@@ -340,10 +341,15 @@ def test_a_corpus_built_with_the_same_settings_is_kept(tmp_path, monkeypatch):
     (corpus / "manifest.json").write_text(json.dumps(manifest))
     corpora.build_corpus(*settings)
     assert len(built) == 1  # the same settings: kept
-    for changed in ((["es", "de"], *settings[1:]), (*settings[:3], 2000, *settings[4:]),
-                    (*settings[:4], 800, settings[5])):
-        corpora.build_corpus(*changed)
-    assert len(built) == 4  # other sources, training verses or merges: built again
+    for changed, difference in (((["es", "de"], *settings[1:]), "sources ['es', 'fr'] instead of ['es', 'de']"),
+                                ((*settings[:3], 2000, *settings[4:]), "max_train_verses 1000 instead of 2000"),
+                                ((*settings[:4], 800, settings[5]), "bpe.merges_requested 400 instead of 800")):
+        with pytest.raises(UsageError, match=re.escape(f"corpus folder {corpus} holds a corpus built from other "
+                                                       f"input or settings (")) as refused:
+            corpora.build_corpus(*changed)  # it would replace the data the folder's runs were trained on
+        assert difference in str(refused.value)
+        corpora.build_corpus(*changed, rebuild=True)
+    assert len(built) == 4  # other sources, training verses or merges: built again when asked to
 
 
 @pytest.mark.parametrize("config", sorted(os.listdir(EXAMPLES)))

@@ -10,6 +10,7 @@ import pytest
 from fairseq_helpers import run_fairseq
 from fixtures.tiny_bible import BPE_MERGES
 from mlmha_fairseq.cli import experiment
+from mlmha_fairseq.errors import UsageError
 from test_demo import tiny_corpus
 
 SPLITS = ("train", "valid", "test")
@@ -141,3 +142,28 @@ def test_a_multi_source_table_and_curves_on_n_way_data(tmp_path):
     curves = json.loads((tmp_path / "work" / "results-curves.json").read_text())["seeds"]
     for name in ("fr only", "es+fr hierarchical"):
         assert curves[name]["1"]["validations"] == 2  # one validation BLEU per update
+
+
+def test_a_corpus_folder_holding_another_corpus_is_not_rebuilt_in_place(tmp_path, raw_text):
+    """Rebuilt silently, a folder's manifest, BPE codes and dictionary were replaced under the
+    runs trained on them (another ``[corpus] raw`` pointed at it, or its raw test file edited)."""
+    from mlmha_fairseq.corpus.raw_text import build_raw_text_corpus
+
+    built = tmp_path / "built"
+    edited = tmp_path / "edited"
+    shutil.copytree(raw_text, edited)
+    build_raw_text_corpus(str(edited), ["fr"], "en", str(built), BPE_MERGES)
+    manifest = (built / "manifest.json").read_bytes()
+    with open(edited / "test.en", "a", encoding="utf-8") as test:
+        test.write("one more reference\n")
+    with open(edited / "test.fr", "a", encoding="utf-8") as test:
+        test.write("une phrase de plus\n")
+    with pytest.raises(UsageError) as refused:
+        build_raw_text_corpus(str(edited), ["fr"], "en", str(built), BPE_MERGES)
+    assert str(refused.value).startswith(f"corpus folder {built} holds a corpus built from other input or settings "
+                                         "(test.en changed; test.fr changed)")
+    with pytest.raises(UsageError, match=r"\(raw\.dir '.*edited' instead of '.*raw'\)"):
+        build_raw_text_corpus(str(raw_text), ["fr"], "en", str(built), BPE_MERGES)
+    assert (built / "manifest.json").read_bytes() == manifest  # nothing replaced
+    rebuilt = build_raw_text_corpus(str(edited), ["fr"], "en", str(built), BPE_MERGES, rebuild=True)
+    assert rebuilt["sizes"]["test"] == len((edited / "test.en").read_text().splitlines())

@@ -128,3 +128,47 @@ def test_bad_seed_ranges_are_refused_in_one_line(text, message, capsys):
     assert exit_info.value.code == 2
     assert f"argument --seeds: {message}" in capsys.readouterr().err
 
+
+
+def test_runs_and_records_that_do_not_match_the_grid_are_refused_naming_them(tmp_path, grid_config, capsys):
+    """A finished run rerun with other settings was skipped and labelled with the new ones; a
+    truncated record was restored and failed later without its name; a symbolic link in the
+    records folder was followed for writing."""
+    records, work = tmp_path / "records", tmp_path / "work"
+    records.mkdir()
+    args = [str(grid_config), "--work-dir", str(work), "--seeds", "1-1", "--records", str(records), *FAST]
+    assert experiment.main(args) == 0
+    capsys.readouterr()
+
+    assert experiment.main(args + ["--max-update", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "runs/transformer--fairseq/seed1 was trained with max_update = 4, this grid has 6" in err[0]
+    assert trainings(work) == 2  # nothing trained again
+
+    recorded = records / "mlmha-m-00" / "seed1"
+    lines = (recorded / "hypotheses.txt").read_text().splitlines(keepends=True)
+    (recorded / "hypotheses.txt").write_text("".join(lines[:3]))
+    other = tmp_path / "other"
+    assert experiment.main([str(grid_config), "--work-dir", str(other), "--records", str(records), "--seeds", "1-1",
+                            "--report-only", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"experiment: error: record {recorded}: hypotheses.txt has 3 lines"), err
+    assert not (other / "runs").exists() or not list((other / "runs").rglob("scores.json"))
+    (recorded / "hypotheses.txt").write_text("".join(lines))
+    scores = (recorded / "scores.json").read_text()
+    (recorded / "scores.json").write_text(scores[:20])
+    assert experiment.main([str(grid_config), "--work-dir", str(other), "--records", str(records), "--seeds", "1-1",
+                            "--report-only", *FAST]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"experiment: error: record {recorded}: scores.json is truncated")
+    (recorded / "scores.json").write_text(scores)
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    linked = records / "transformer--fairseq"
+    linked.rename(outside / "transformer--fairseq")
+    linked.symlink_to(outside / "transformer--fairseq")
+    assert experiment.main(args + ["--report-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"experiment: error: records folder {records}: {linked} is a symbolic link"), err
+

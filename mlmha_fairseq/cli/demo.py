@@ -263,7 +263,9 @@ def prepared_corpus(sources, given_dir, args, settings) -> str:
     logger.info("corpus %s->%s%s", "+".join(sources), TARGET, f" (using {corpus})" if given_dir else "")
     if not given_dir:
         os.makedirs(args.work_dir, exist_ok=True)
-        build_corpus(sources, TARGET, corpus, settings["train_verses"], settings["bpe_merges"], args.work_dir)
+        # the demo's own folder, rebuilt for its settings as before (it names no corpus of the user's)
+        build_corpus(sources, TARGET, corpus, settings["train_verses"], settings["bpe_merges"], args.work_dir,
+                     rebuild=True)
     return corpus
 
 

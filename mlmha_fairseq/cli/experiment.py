@@ -99,6 +99,9 @@ def parse_args(argv=None):
                         help="keep every finished run's scores, test hypotheses and training log in DIR (an existing "
                              "folder, e.g. in your repository), and restore the runs recorded there that the work "
                              "directory lacks: seeds trained on other machines, or on one that lost its disk")
+    parser.add_argument("--rebuild-corpus", action="store_true",
+                        help="build the corpus again where its folder holds one built from other input or settings "
+                             "(refused otherwise: its runs were trained on it)")
     parser.add_argument("--report-only", action="store_true",
                         help="write the table of the runs finished so far; train nothing")
     parser.add_argument("--ar-trials", type=cli_support.positive_int, default=10000, help="approximate randomization trials (default: %(default)s)")

@@ -60,10 +60,38 @@ def read_parallel_text(raw_dir: str, sources: Sequence[str], target: str) -> Dic
             for split in SPLITS}
 
 
+def manifest_differences(manifest: Dict, wanted: Dict) -> List[str]:
+    """What differs between a corpus folder's manifest and the build asked for, in words
+    (``raw.dir``, ``test.en changed``, ``bpe.merges_requested``): dotted keys of ``wanted``,
+    and each raw file by its name."""
+    differences = []
+    for key, value in wanted.items():
+        held = manifest.get(key.split(".")[0]) if "." in key else manifest.get(key)
+        if "." in key:
+            held = (held or {}).get(key.split(".", 1)[1]) if isinstance(held, dict) else None
+        if key == "raw.sha256" and isinstance(held, dict):
+            differences += [f"{name} {'changed' if name in held else 'added'}" for name in sorted(value)
+                            if held.get(name) != value[name]]
+            differences += [f"{name} removed" for name in sorted(set(held) - set(value))]
+        elif held != value:
+            differences.append(f"{key} {held!r} instead of {value!r}")
+    return differences
+
+
+def check_rebuild(out_dir: str, differences: List[str], rebuild: bool) -> None:
+    """Refuse to build a corpus in ``out_dir`` over one built from other input or settings,
+    unless asked to: the runs trained on it would be reported beside runs of the new one."""
+    if differences and not rebuild:
+        raise UsageError(f"corpus folder {out_dir} holds a corpus built from other input or settings "
+                         f"({'; '.join(differences[:4])}): building there would replace the data its runs were "
+                         "trained on; give another [corpus] dir, or --rebuild-corpus to replace it")
+
+
 def build_raw_text_corpus(raw_dir: str, sources: Sequence[str], target: str, out_dir: str, bpe_merges: int,
-                          workers: int = 1) -> Dict:
+                          workers: int = 1, rebuild: bool = False) -> Dict:
     """Tokenize, learn and apply joint BPE, binarize; return the manifest (kept, with nothing
-    rebuilt, when an earlier build of the same input with the same settings finished)."""
+    rebuilt, when an earlier build of the same input with the same settings finished). A
+    folder that holds another corpus is refused unless ``rebuild`` (:func:`check_rebuild`)."""
     sides = (*sources, target)
     inputs = {f"{split}.{side}": sha256_of(os.path.join(raw_dir, f"{split}.{side}"))
               for split in SPLITS for side in sides if os.path.isfile(os.path.join(raw_dir, f"{split}.{side}"))}
@@ -73,12 +101,16 @@ def build_raw_text_corpus(raw_dir: str, sources: Sequence[str], target: str, out
     try:
         with open(manifest_path, encoding="utf-8") as handle:
             manifest = json.load(handle)
-        if (all(manifest.get(key) == value for key, value in settings.items())
-                and manifest.get("bpe", {}).get("merges_requested") == bpe_merges):
+    except (OSError, ValueError):
+        manifest = None
+    if isinstance(manifest, dict):
+        differences = manifest_differences(manifest, {"raw.dir": settings["raw"]["dir"], "raw.sha256": inputs,
+                                                      "sources": list(sources), "target": target,
+                                                      "bpe.merges_requested": bpe_merges})
+        if not differences:
             logger.info("  corpus %s: built earlier from the same text with these settings, kept", out_dir)
             return manifest
-    except (OSError, ValueError):
-        pass
+        check_rebuild(out_dir, differences, rebuild)
     text = read_parallel_text(raw_dir, sources, target)  # every check before anything is written
     text_dir = os.path.join(out_dir, TEXT_DIR)
     os.makedirs(text_dir, exist_ok=True)

@@ -6,9 +6,10 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlmha_fairseq.corpus.builder import DATA_BIN, MANIFEST, TEXT_DIR
+from mlmha_fairseq.corpus.raw_text import check_rebuild, manifest_differences
 from mlmha_fairseq.corpus.splits import SPLITS
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.text_io import read_lines
@@ -35,29 +36,32 @@ class Corpus:
     detokenize: bool = True  # the Moses detokenizer of the target language
 
 
-def corpus_is_built(corpus_dir: str, sources: Sequence[str], target: str, train_verses: Optional[int],
-                    bpe_merges: int) -> bool:
-    """Whether ``corpus_dir`` holds a finished build with these settings: the builder writes
-    its manifest last (atomically), so a manifest means every file is in place."""
+def built_differences(corpus_dir: str, sources: Sequence[str], target: str, train_verses: Optional[int],
+                      bpe_merges: int) -> Optional[List[str]]:
+    """None where ``corpus_dir`` holds no finished build (the builder writes its manifest last,
+    atomically, so a manifest means every file is in place); else how that build differs from
+    these settings (empty: the same)."""
     try:
         with open(os.path.join(corpus_dir, MANIFEST), encoding="utf-8") as handle:
             manifest = json.load(handle)
     except (OSError, ValueError):
-        return False
-    return (manifest.get("sources") == list(sources) and manifest.get("target") == target
-            and manifest.get("train_selection", {}).get("max_train_verses") == train_verses
-            and manifest.get("train_selection", {}).get("max_tokens_per_verse") == MAX_TOKENS_PER_VERSE
-            and manifest.get("bpe", {}).get("merges_requested") == bpe_merges)
+        return None
+    return manifest_differences(manifest, {
+        "sources": list(sources), "target": target, "train_selection.max_train_verses": train_verses,
+        "train_selection.max_tokens_per_verse": MAX_TOKENS_PER_VERSE, "bpe.merges_requested": bpe_merges})
 
 
 def build_corpus(sources: Sequence[str], target: str, corpus_dir: str, train_verses: Optional[int],
-                 bpe_merges: int, work_dir: str) -> None:
+                 bpe_merges: int, work_dir: str, rebuild: bool = False) -> None:
     """The verse-aligned Bible corpus with ``mlmha_fairseq.cli.build_corpus``, unless an
     earlier run already built it with the same settings (a rerun resumes the grid, it does
-    not rebuild the data its finished runs were trained on)."""
-    if corpus_is_built(corpus_dir, sources, target, train_verses, bpe_merges):
+    not rebuild the data its finished runs were trained on); a folder holding a corpus built
+    with other settings is refused unless ``rebuild``."""
+    differences = built_differences(corpus_dir, sources, target, train_verses, bpe_merges)
+    if differences == []:
         logger.info("  corpus %s: built earlier with these settings, kept", corpus_dir)
         return
+    check_rebuild(corpus_dir, differences or [], rebuild)
     options = ["--sources", *sources, "--target", target, "--out-dir", corpus_dir,
                "--max-tokens-per-verse", str(MAX_TOKENS_PER_VERSE), "--bpe-merges", str(bpe_merges)]
     if train_verses:
@@ -138,8 +142,9 @@ def check_corpus(corpus: Dict) -> None:
         check_parallel_text(corpus["raw"], corpus["sources"], target)
 
 
-def prepare_corpus(corpus: Dict, work_dir: str) -> Corpus:
-    """The grid's corpus (:func:`check_corpus` first), built unless it exists."""
+def prepare_corpus(corpus: Dict, work_dir: str, rebuild: bool = False) -> Corpus:
+    """The grid's corpus (:func:`check_corpus` first), built unless it exists; one built with
+    other input or settings is replaced only with ``rebuild``."""
     from mlmha_fairseq.corpus.raw_text import build_raw_text_corpus
 
     target = corpus.get("target", "en")
@@ -153,7 +158,8 @@ def prepare_corpus(corpus: Dict, work_dir: str) -> Corpus:
     if "raw" in corpus:
         directory = corpus.get("dir") or os.path.join(
             work_dir, "corpus-" + "-".join([*corpus["sources"], target]))
-        build_raw_text_corpus(corpus["raw"], corpus["sources"], target, directory, int(corpus.get("bpe_merges", 4000)))
+        build_raw_text_corpus(corpus["raw"], corpus["sources"], target, directory, int(corpus.get("bpe_merges", 4000)),
+                              rebuild=rebuild)
         return built_corpus(directory, target)
     directory = corpus.get("dir") or os.path.join(work_dir, "corpus-" + "-".join(corpus["sources"]))
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
@@ -162,5 +168,5 @@ def prepare_corpus(corpus: Dict, work_dir: str) -> Corpus:
                              "python -m mlmha_fairseq.cli.build_corpus, give sources to build it here, "
                              "or give a fairseq data-bin as data_bin or raw parallel text as raw")
         build_corpus(corpus["sources"], target, directory, corpus.get("train_verses"),
-                     int(corpus.get("bpe_merges", 4000)), work_dir)
+                     int(corpus.get("bpe_merges", 4000)), work_dir, rebuild)
     return built_corpus(directory, target)

@@ -480,12 +480,65 @@ def detokenized(generate_output: str, target: Optional[str]) -> List[str]:
                            TextOptions(input_format="generate", detokenize_lang=target))
 
 
+RUN_SETTINGS = "run.json"
+
+
+def run_settings(run: Run, settings: Settings, references: Sequence[str]) -> Dict:
+    """What a run's results depend on, as its folder records it (:data:`RUN_SETTINGS`): the
+    system, the seed, the data, the budget and schedule, decoding, and the test references it
+    is scored against (their SHA-256). Not the device or the environment, which a resumed run
+    may change."""
+    import hashlib
+
+    return {
+        "arch": run.system.arch, "system options": [str(a) for a in run.system.options],
+        "task options": [str(a) for a in run.system.task_options], "seed": run.seed,
+        "data_bin": os.path.abspath(settings.data_bin), "corpus options": [str(a) for a in settings.corpus_args],
+        "max_update": settings.max_update, "lr": settings.lr, "warmup_updates": settings.warmup_updates,
+        "batching": [settings.batching.option, settings.batching.size],
+        "model_args": list(settings.model_args), "train_args": list(settings.train_args),
+        "save_interval_updates": settings.save_interval_updates, "average_last": settings.average_last,
+        "convergence": list(settings.convergence) if settings.convergence else None,
+        "beam": settings.beam, "generate_args": list(settings.generate_args),
+        "postprocess": list(settings.postprocess), "detokenize": settings.detokenize,
+        "test references sha256": hashlib.sha256("\n".join(references).encode("utf-8")).hexdigest(),
+    }
+
+
+def check_run_settings(runs: Sequence[Run], settings: Settings, references: Sequence[str]) -> None:
+    """Refuse a run folder trained (or being trained) with other settings than this grid's,
+    naming the first setting that differs: it would be skipped (finished) or resumed (not)
+    and reported under this grid's settings. Folders of earlier versions, and runs restored
+    from records, hold no settings and are taken as they are."""
+    for run in runs:
+        try:
+            with open(run.path(RUN_SETTINGS), encoding="utf-8") as handle:
+                stored = json.load(handle)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as error:
+            raise UsageError(f"run folder {run.directory}: {RUN_SETTINGS} cannot be read ({error}): move the run "
+                             "folder away") from None
+        current = run_settings(run, settings, references)
+        differing = [key for key in current if stored.get(key) != current[key]]
+        if differing:
+            key = differing[0]
+            state = "trained" if run.finished else "partly trained"
+            raise UsageError(
+                f"run folder {run.directory} was {state} with {key} = {stored.get(key)!r}, this grid has "
+                f"{current[key]!r}" + (f" (and {len(differing) - 1} more setting(s) differ)" if len(differing) > 1 else "")
+                + ": its results would be reported under this grid's settings; use another work_dir, or move the "
+                  "run folder away to train it again")
+
+
 def execute(run: Run, settings: Settings, references: List[str], work_dir: str, on_poll=None) -> Dict:
     """Train (unless done), decode, detokenize and score one run; write hypotheses.txt and
     scores.json (last, so that a run is finished only once both are there)."""
     from mlmha_fairseq.evaluation.meteor import UNAVAILABLE, corpus_meteor, load_wordnet
 
     start = time.time()
+    if not os.path.isfile(run.path(RUN_SETTINGS)) and not os.path.isfile(run.path("train.done")):
+        write_text(run.path(RUN_SETTINGS), json.dumps(run_settings(run, settings, references), indent=2) + "\n")
     if not os.path.isfile(run.path("train.done")):
         train(run, settings, work_dir, on_poll)
     checkpoint = checkpoint_to_decode(run, settings)

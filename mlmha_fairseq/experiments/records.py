@@ -21,7 +21,7 @@ from typing import Sequence
 
 from mlmha_fairseq.corpus.fetch import sha256_of
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.evaluation.text_io import write_text
+from mlmha_fairseq.evaluation.text_io import count_lines, write_text
 from mlmha_fairseq.experiments.grid import Run
 from mlmha_fairseq.output_files import atomic_output
 
@@ -38,9 +38,40 @@ def record_folder(records: str, run: Run) -> str:
     return os.path.join(records, os.path.basename(os.path.dirname(run.directory)), seed_folder)
 
 
-def _copy(source: str, destination: str) -> None:
+def check_no_links(records: str, path: str) -> None:
+    """Refuse a symbolic link at or above ``path`` inside ``records``: the runner would write
+    (or read) the file it points to, outside the records folder."""
+    records = os.path.abspath(records)
+    current = os.path.abspath(path)
+    while current.startswith(records + os.sep):
+        if os.path.islink(current):
+            raise UsageError(f"records folder {records}: {current} is a symbolic link (to {os.readlink(current)}); "
+                             "the runner writes and reads only files inside the folder: replace the link by the "
+                             "folder or file itself")
+        current = os.path.dirname(current)
+
+
+def _copy(source: str, destination: str, records: str) -> None:
+    """(A source inside ``records`` is checked by :func:`restore` before anything is copied.)"""
+    check_no_links(records, destination)
     with atomic_output(destination) as temporary:
         shutil.copyfile(source, temporary)
+
+
+def check_record(folder: str, references: str, sentences: int) -> None:
+    """A record the report can read: its scores.json a JSON object with a BLEU score, its
+    hypotheses one line per test sentence; one line naming the record and the fault otherwise."""
+    try:
+        with open(os.path.join(folder, "scores.json"), encoding="utf-8") as handle:
+            scores = json.load(handle)
+        float(scores["bleu"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"record {folder}: scores.json is truncated or not this runner's (no readable BLEU score): "
+                         "record the run again or remove the record") from None
+    hypotheses = count_lines(os.path.join(folder, "hypotheses.txt"))
+    if hypotheses != sentences:
+        raise UsageError(f"record {folder}: hypotheses.txt has {hypotheses} lines, the test references {references} "
+                         f"{sentences}: the record is truncated; record the run again or remove the record")
 
 
 def save(runs: Sequence[Run], records: str, references: str) -> int:
@@ -52,10 +83,11 @@ def save(runs: Sequence[Run], records: str, references: str) -> int:
         if not run.finished:
             continue
         folder = record_folder(records, run)
+        check_no_links(records, os.path.join(folder, ABOUT))
         write_text(os.path.join(folder, ABOUT), json.dumps({"references_sha256": checksum}, indent=2) + "\n")
         for name in RECORDED:
             if os.path.isfile(run.path(name)):
-                _copy(run.path(name), os.path.join(folder, name))
+                _copy(run.path(name), os.path.join(folder, name), records)
         saved += 1
     return saved
 
@@ -68,7 +100,10 @@ def restore(runs: Sequence[Run], records: str, references: str) -> int:
     checksum = sha256_of(references)
     unfinished = [(run, record_folder(records, run)) for run in runs if not run.finished]
     recorded = [(run, folder) for run, folder in unfinished if os.path.isfile(os.path.join(folder, RECORDED[-1]))]
+    sentences = count_lines(references)
     for run, folder in recorded:
+        for name in (ABOUT, *RECORDED):
+            check_no_links(records, os.path.join(folder, name))
         try:
             with open(os.path.join(folder, ABOUT), encoding="utf-8") as handle:
                 theirs = json.load(handle)["references_sha256"]
@@ -78,9 +113,10 @@ def restore(runs: Sequence[Run], records: str, references: str) -> int:
         if theirs != checksum:
             raise UsageError(f"record {folder} was scored against other test references than {references} "
                              f"(another corpus): use another --records folder")
+        check_record(folder, references, sentences)
     for run, folder in recorded:
         for name in RECORDED:
             if os.path.isfile(os.path.join(folder, name)):
-                _copy(os.path.join(folder, name), run.path(name))
+                _copy(os.path.join(folder, name), run.path(name), records)
         logger.info("%s: restored from %s", run.name, folder)
     return len(recorded)

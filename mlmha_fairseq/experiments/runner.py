@@ -18,7 +18,7 @@ from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from
 from mlmha_fairseq.experiments.corpora import Corpus, check_corpus, prepare_corpus
 from mlmha_fairseq.experiments import records, slurm
 from mlmha_fairseq.experiments.curves import write_curve_report
-from mlmha_fairseq.experiments.grid import Grid, minutes, report_failures
+from mlmha_fairseq.experiments.grid import Grid, check_run_settings, minutes, report_failures
 from mlmha_fairseq.output_files import check_output_folder, exclusive_folder
 
 logger = logging.getLogger("mlmha_fairseq.experiment")
@@ -100,10 +100,11 @@ def comet_sources(corpus_config: Dict, corpus: Corpus) -> List[str]:
 def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
 
-    corpus = prepare_corpus(experiment.corpus, work_dir)
+    corpus = prepare_corpus(experiment.corpus, work_dir, args.rebuild_corpus)
     settings = settings_from(experiment, corpus, args.max_update)
     references = read_lines(corpus.references)
     grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
+    check_run_settings(grid.runs, settings, references)
     logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
                 len(grid.runs), settings.budget, work_dir)
     if args.records:
