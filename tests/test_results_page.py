@@ -1,0 +1,98 @@
+"""RESULTS.md cannot drift from the runner's output files.
+
+Every Markdown table of RESULTS.md sits under a line ``Source: [FILE](FILE)`` (a runner output
+file: ``results.md``, ``results-curves.md``) or ``Derived: ...`` (computed from such files by a
+command given there). Each table under a ``Source:`` line must equal, line for line and byte for
+byte, one of the tables of FILE; a table under neither is refused, so a table cannot be added by
+hand without saying where it comes from.
+"""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "RESULTS.md"
+SOURCE = re.compile(r"^Source: \[([^\]]+)\]\(([^)]+)\)\s*$")
+
+
+def tables(lines):
+    """The Markdown tables of ``lines`` (maximal runs of lines starting with '|'), each as
+    (index of its first line, its lines)."""
+    found, current, start = [], [], 0
+    for index, line in enumerate(lines + [""]):
+        if line.startswith("|"):
+            if not current:
+                start = index
+            current.append(line)
+        elif current:
+            found.append((start, current))
+            current = []
+    return found
+
+
+def provenance(lines, start):
+    """What the table starting at ``start`` is under: ('source', path), ('derived', None) or
+    None, from the nearest ``Source:``/``Derived:`` line above it that no heading separates."""
+    for line in reversed(lines[:start]):
+        if line.startswith("#"):
+            return None
+        match = SOURCE.match(line)
+        if match:
+            assert match.group(1) == match.group(2), f"Source link text and target differ: {line!r}"
+            return "source", match.group(2)
+        if line.startswith("Derived:"):
+            return "derived", None
+    return None
+
+
+def page_tables():
+    lines = PAGE.read_text(encoding="utf-8").splitlines()
+    return [(start, table, provenance(lines, start)) for start, table in tables(lines)]
+
+
+def test_every_table_of_the_results_page_says_where_it_comes_from():
+    found = page_tables()
+    assert len(found) >= 15, "RESULTS.md has lost its tables"
+    unsourced = [start + 1 for start, _, origin in found if origin is None]
+    assert not unsourced, f"tables of RESULTS.md under no Source:/Derived: line, at lines {unsourced}"
+
+
+def test_every_sourced_table_equals_a_table_of_its_runner_output_file():
+    drifted = []
+    for start, table, origin in page_tables():
+        if origin is None or origin[0] != "source":
+            continue
+        source = ROOT / origin[1]
+        assert source.is_file(), f"RESULTS.md line {start + 1}: source {origin[1]} does not exist"
+        candidates = [lines for _, lines in tables(source.read_text(encoding="utf-8").splitlines())]
+        if table not in candidates:
+            drifted.append(f"line {start + 1}: not a table of {origin[1]}")
+    assert not drifted, "RESULTS.md differs from the runner's output:\n" + "\n".join(drifted)
+
+
+def test_every_runner_table_of_the_documented_grids_is_on_the_page():
+    sourced = {origin[1] for _, _, origin in page_tables() if origin and origin[0] == "source"}
+    expected = {
+        "docs/experiment/results.md",
+        "docs/experiment/mechanisms/results.md",
+        "docs/experiment/mechanisms/dlcl/results.md",
+        "docs/experiment/convergence/results.md",
+        "docs/experiment/convergence/seed3/results.md",
+        "docs/experiment/convergence/others/seeds1-3/results.md",
+        "docs/experiment/convergence-dc-document-lr/results.md",
+        "docs/experiment/convergence-dc-document-lr/seed1/results.md",
+        "docs/experiment/convergence-mlrf-document-lr/results.md",
+        "docs/experiment/convergence-mlrf-document-lr/seeds2-3/results.md",
+        "docs/experiment/convergence-mlrf-document-lr-loss/seed2/results.md",
+        "docs/experiment/convergence-mlrf-document-lr-fixed/seed2/results.md",
+        "docs/experiment/gpu-base/results.md",
+    }
+    assert expected <= sourced, f"missing from RESULTS.md: {sorted(expected - sourced)}"
+
+
+def test_the_table_reader_finds_tables_and_their_source():
+    lines = ["# t", "Source: [a/results.md](a/results.md)", "", "| x |", "|---|", "| 1 |", "",
+             "## u", "| y |", "Derived: by hand", "| z |"]
+    assert tables(lines) == [(3, ["| x |", "|---|", "| 1 |"]), (8, ["| y |"]), (10, ["| z |"])]
+    assert provenance(lines, 3) == ("source", "a/results.md")
+    assert provenance(lines, 8) is None
+    assert provenance(lines, 10) == ("derived", None)
