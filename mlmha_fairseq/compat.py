@@ -91,8 +91,8 @@ _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.
 
 def _repeat(sequence, times):
     """``sequence * times`` once its size is known to be bounded."""
-    if isinstance(times, bool) or not isinstance(times, int):
-        raise NotALiteral("a sequence times a non-integer")
+    if not isinstance(sequence, (str, bytes, list, tuple)) or isinstance(times, bool) or not isinstance(times, int):
+        raise NotALiteral("only a string, list or tuple times an integer repeats")
     size = len(sequence) * max(times, 0)
     if size > MAX_LITERAL_ITEMS:
         raise LiteralTooLarge(f"would build a value of {size:,} items")

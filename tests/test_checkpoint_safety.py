@@ -127,7 +127,7 @@ def test_options_stored_as_a_dict_are_checked_before_the_model_is_built(trained,
 @pytest.mark.parametrize("value", [
     "__import__('os').system('true')", "exec('1')", "open('x', 'w')", "[x for x in ()]", "lambda: 0",
     "f'{1}'", "f'{0:999999999}'", "[5] + foo()", "(x := 1)", "'%9999999999d' % 0", "2 ** 10 ** 10", "1 << 10 ** 10",
-    "[0 for a in 'abcdefgh' for b in 'abcdefgh']", "sys.modules['os']", "{**x}", "(os.system\n('x'))", " \t__import__('os')",
+    "[0 for a in 'abcdefgh' for b in 'abcdefgh']", "sys.modules['os']", "{1: 2} * 3", "{1} * 2", "[1] * 2.0", "{**x}", "(os.system\n('x'))", " \t__import__('os')",
 ])
 def test_code_is_refused_whatever_it_is_stored_under(value):
     assert refusal(value) == REFUSED
