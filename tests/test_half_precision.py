@@ -12,8 +12,8 @@ import torch
 
 from fairseq_helpers import assert_incremental_matches_full, generate, hypotheses_and_references, train_args
 from mechanisms import (
-    DEVICES, HALF_TYPES, MECHANISMS, TOLERANCES, VARIANTS, assert_close_to_fp32, build, loss_and_gradients,
-    mlmha_with_a_fully_padded_row, padded_logits,
+    BASE_WIDTH_SYSTEMS, DEVICES, HALF_TYPES, MECHANISMS, TOLERANCES, VARIANTS, assert_close_to_fp32, build,
+    build_at_base_width, loss_and_gradients, mlmha_with_a_fully_padded_row, padded_logits,
 )
 
 
@@ -70,3 +70,27 @@ def test_bf16_training_round_trip_on_cpu(data_bin, tmp_path):
     assert state["optimizer_history"][-1]["num_updates"] == 3
     hyps, refs = hypotheses_and_references(generate(data_bin, tmp_path / "checkpoint_last.pt"))
     assert len(hyps) == len(refs) == 16
+
+
+# the batch of the base-width check: 4 sentences of up to 12 source and 10 target tokens
+BASE_WIDTH_BATCH = dict(batch_size=4, src_len=12, tgt_len=10)
+
+
+@pytest.mark.parametrize("name", BASE_WIDTH_SYSTEMS)
+def test_base_width_with_trained_magnitudes_stays_finite_and_close_to_fp32_in_fp16(name):
+    """At the base width (d = 512, 8 heads, FFN 2,048) with a trained model's magnitudes
+    (:func:`mechanisms.grow_to_trained_magnitudes`), float16's unscaled forward and backward
+    stay finite (its largest value is 65,504) and agree with fp32 of the
+    same weights: logits within 1 % of their largest magnitude, the loss within 1 %, and the
+    gradient pointing the same way."""
+    reference = loss_and_gradients(*build_at_base_width(name), **BASE_WIDTH_BATCH)
+    loss, logits, grads = loss_and_gradients(*build_at_base_width(name, torch.float16),
+                                             **BASE_WIDTH_BATCH)
+    ref_loss, ref_logits, ref_grads = reference
+    assert torch.isfinite(ref_logits).all() and torch.isfinite(ref_grads).all()
+    assert torch.isfinite(logits).all(), "non-finite logits in float16"
+    assert torch.isfinite(grads).all(), "non-finite gradients in float16"
+    torch.testing.assert_close(logits, ref_logits, atol=0.01 * ref_logits.abs().max().item(), rtol=0)
+    torch.testing.assert_close(loss, ref_loss, atol=0, rtol=0.01)
+    cosine = torch.nn.functional.cosine_similarity(grads.double(), ref_grads.double(), dim=0).item()
+    assert cosine >= 0.99, f"gradient cosine {cosine:.4f} < 0.99"
