@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from fairseq_helpers import assert_incremental_matches_full, generate, hypotheses_and_references, train_args
+from mlmha_fairseq.modules.representation_fusion import FusionOptions, build_fusion
 from mechanisms import (
-    BASE_WIDTH_SYSTEMS, DEVICES, HALF_TYPES, MECHANISMS, TOLERANCES, VARIANTS, assert_close_to_fp32, build,
+    BASE, BASE_WIDTH_SYSTEMS, DEVICES, HALF_TYPES, MECHANISMS, TOLERANCES, VARIANTS, assert_close_to_fp32, build,
     build_at_base_width, loss_and_gradients, mlmha_with_a_fully_padded_row, padded_logits,
 )
 
@@ -94,3 +95,32 @@ def test_base_width_with_trained_magnitudes_stays_finite_and_close_to_fp32_in_fp
     torch.testing.assert_close(loss, ref_loss, atol=0, rtol=0.01)
     cosine = torch.nn.functional.cosine_similarity(grads.double(), ref_grads.double(), dim=0).item()
     assert cosine >= 0.99, f"gradient cosine {cosine:.4f} < 0.99"
+
+
+@pytest.mark.parametrize("function", ["fnn", "sa"])
+def test_mlrf_fusion_in_fp16_does_not_depend_on_the_scale_its_layer_norm_removes(function):
+    """MLRF's FNN and SA fusions end in ``LN(FNN(.))`` (Wang et al. 2018, Eq. 3): scaling the
+    FNN's output layer by c leaves their function unchanged, so training does not bound that
+    scale (Adam grows such scale-invariant weights, Heo et al. 2021). At the base width with
+    normalised states of std 4 (K = 7: the embedding output and six layers), float16 gives the
+    function of fp32 whatever the scale: ``c W_b`` with c = 10^5 puts the FNN's output near
+    10^5, beyond float16's 65,504."""
+    torch.manual_seed(0)
+    fusion = build_fusion(function, 7, BASE.embed_dim, FusionOptions()).eval()
+    states = (torch.randn(7, 10, 3, BASE.embed_dim) * 4).requires_grad_()
+    layer_embedding = torch.empty(7, BASE.embed_dim).uniform_(-0.1, 0.1)
+    expected = fusion(states, layer_embedding)
+    direction = torch.randn_like(expected)  # of the gradient: a random linear function of the output
+    (expected_grad,) = torch.autograd.grad((expected * direction).sum(), states)
+    with torch.no_grad():
+        fusion.ffn.fc2.weight.mul_(1e5)
+        fusion.ffn.fc2.bias.mul_(1e5)
+    fusion.half()
+    half_states = states.detach().half().requires_grad_()
+    out = fusion(half_states, layer_embedding.half())
+    (grad,) = torch.autograd.grad((out.float() * direction).sum(), half_states)
+    assert out.dtype == torch.float16
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(out.float(), expected.detach(), atol=0.02, rtol=0)
+    cosine = torch.nn.functional.cosine_similarity(grad.double().flatten(), expected_grad.double().flatten(), dim=0)
+    assert cosine >= 0.999, f"gradient cosine {cosine:.4f} < 0.999"
