@@ -61,9 +61,9 @@ BASE_WIDTH_SYSTEMS = [*MECHANISMS, *STOPPED_IN_FP16]
 # output matrix, logits up to ~100), and the weights that reach the loss only through a
 # LayerNorm 1,000x (MLRF's fusion FNN before its LN, outputs in the thousands: the function
 # is scale-invariant, so fp32 computes the same model, and Adam grows such weights' norm
-# without bound, Heo et al. 2021, AdamP). The loss is not scaled: fairseq's scaler halves its scale at
-# each overflow of the gradients it multiplies, and a collapse below 1 (where the GPU runs of
-# MLRF and MS-2 + AIF ended) means that the unscaled computation itself was not finite.
+# without bound, Heo et al. 2021, AdamP). The loss is not scaled: fairseq's scaler halves its
+# scale at each overflow of the gradients it multiplies, and a collapse below 1 (where the GPU
+# runs of MLRF and MS-2 + AIF ended) means that the unscaled computation was not finite.
 GROWN_EMBEDDING, GROWN_LAYER_NORM_GAIN, GROWN_SCALE_INVARIANT = 2.0, 4.0, 1000.0
 
 

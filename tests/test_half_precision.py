@@ -97,14 +97,16 @@ def test_base_width_with_trained_magnitudes_stays_finite_and_close_to_fp32_in_fp
     assert cosine >= 0.99, f"gradient cosine {cosine:.4f} < 0.99"
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["half-model", "autocast"])
 @pytest.mark.parametrize("function", ["fnn", "sa"])
-def test_mlrf_fusion_in_fp16_does_not_depend_on_the_scale_its_layer_norm_removes(function):
+def test_mlrf_fusion_in_fp16_does_not_depend_on_the_scale_its_layer_norm_removes(function, autocast):
     """MLRF's FNN and SA fusions end in ``LN(FNN(.))`` (Wang et al. 2018, Eq. 3): scaling the
     FNN's output layer by c leaves their function unchanged, so training does not bound that
     scale (Adam grows such scale-invariant weights, Heo et al. 2021). At the base width with
     normalised states of std 4 (K = 7: the embedding output and six layers), float16 gives the
     function of fp32 whatever the scale: ``c W_b`` with c = 10^5 puts the FNN's output near
-    10^5, beyond float16's 65,504."""
+    10^5, beyond float16's 65,504. Float16 as ``--fp16`` runs it (the module cast to float16)
+    and as ``--amp`` does (float32 weights under autocast to float16)."""
     torch.manual_seed(0)
     fusion = build_fusion(function, 7, BASE.embed_dim, FusionOptions()).eval()
     states = (torch.randn(7, 10, 3, BASE.embed_dim) * 4).requires_grad_()
@@ -115,11 +117,13 @@ def test_mlrf_fusion_in_fp16_does_not_depend_on_the_scale_its_layer_norm_removes
     with torch.no_grad():
         fusion.ffn.fc2.weight.mul_(1e5)
         fusion.ffn.fc2.bias.mul_(1e5)
-    fusion.half()
-    half_states = states.detach().half().requires_grad_()
-    out = fusion(half_states, layer_embedding.half())
-    (grad,) = torch.autograd.grad((out.float() * direction).sum(), half_states)
-    assert out.dtype == torch.float16
+    if not autocast:
+        fusion.half()
+    inputs = states.detach().to(torch.float32 if autocast else torch.float16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+        out = fusion(inputs, layer_embedding.to(inputs.dtype))
+    (grad,) = torch.autograd.grad((out.float() * direction).sum(), inputs)
+    assert autocast or out.dtype == torch.float16  # under autocast, the dtype of the op before
     assert torch.isfinite(out).all() and torch.isfinite(grad).all()
     torch.testing.assert_close(out.float(), expected.detach(), atol=0.02, rtol=0)
     cosine = torch.nn.functional.cosine_similarity(grad.double().flatten(), expected_grad.double().flatten(), dim=0)

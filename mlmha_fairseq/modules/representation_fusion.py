@@ -103,9 +103,11 @@ def normalised_ffn(ffn: FeedForward, layer_norm: FloatLayerNorm, x: Tensor) -> T
     loss does not bound the scale of ``W_b`` (nor of ``W_a``, through the ReLU), and Adam grows
     such scale-invariant weights (Heo et al. 2021, AdamP): the FNN's output can outgrow
     float16's 65,504 while the model's function does not change. In float32 (range 3.4e38) it
-    cannot; the normalised output is cast back, as fairseq's ``Fp32LayerNorm`` casts its own."""
+    cannot; the normalised output is cast back, as fairseq's ``Fp32LayerNorm`` casts its own.
+    Autocast (``--amp``) is off inside, or it would run the FNN's matrix products in float16."""
     dtype = torch.promote_types(x.dtype, torch.float32)
-    return layer_norm(ffn(x.to(dtype))).type_as(x)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return layer_norm(ffn(x.to(dtype))).type_as(x)
 
 
 class AverageFusion(nn.Module):
