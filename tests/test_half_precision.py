@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fairseq_helpers import assert_incremental_matches_full, generate, hypotheses_and_references, train_args
+from mlmha_fairseq.modules.multi_layer_attention import MultiLayerMultiheadAttention, parse_variant
 from mlmha_fairseq.modules.representation_fusion import FusionOptions, build_fusion
 from mechanisms import (
     BASE, BASE_WIDTH_SYSTEMS, DEVICES, HALF_TYPES, MECHANISMS, TOLERANCES, VARIANTS, assert_close_to_fp32, build,
@@ -128,3 +129,24 @@ def test_mlrf_fusion_in_fp16_does_not_depend_on_the_scale_its_layer_norm_removes
     torch.testing.assert_close(out.float(), expected.detach(), atol=0.02, rtol=0)
     cosine = torch.nn.functional.cosine_similarity(grad.double().flatten(), expected_grad.double().flatten(), dim=0)
     assert cosine >= 0.999, f"gradient cosine {cosine:.4f} < 0.999"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mlmha_weights_path_scales_the_query_before_the_product_in_fp16(variant):
+    """MLMHA with weights (Eqs. 8-10, the path of need_weights) at the base width in float16:
+    queries and keys of +-32 per element give scaled scores of 32 x 32 x 64 / 8 = 8,192 per tap
+    (the joint variants sum two taps' products), finite in float16, while the unscaled
+    products (65,536 and more) are not; the softmax peaks on the key aligned with the query."""
+    torch.manual_seed(0)
+    joint, concat = parse_variant(variant)
+    module = MultiLayerMultiheadAttention(BASE.embed_dim, BASE.heads, 2, joint, concat, bias=False).half().eval()
+    with torch.no_grad():
+        for weight in (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight):
+            weight.copy_(torch.eye(BASE.embed_dim))  # each tap's projection the identity
+    signs = torch.randint(0, 2, (5, 1, BASE.embed_dim)).half() * 2 - 1
+    query = 32 * signs[:1]  # Tt = 1, B = 1: the sign pattern of key 0
+    taps = (32 * signs).expand(2, -1, -1, -1)  # n = 2 taps, Ts = 5
+    with torch.no_grad():
+        out, weights = module(query, taps, taps, need_weights=True)
+    assert torch.isfinite(out).all() and torch.isfinite(weights).all()
+    torch.testing.assert_close(weights[0, 0], torch.eye(5)[0].half())
