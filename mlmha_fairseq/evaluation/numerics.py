@@ -33,6 +33,7 @@ FP16_SMALLEST_NORMAL = torch.finfo(torch.float16).tiny  # 2^-14: below it fewer 
 # a layer of a stack: everything up to ``layers.<i>`` (``encoder.layers.3``,
 # ``decoder.aux_decoders.0.layers.1``); other parameters are grouped by their module
 LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
+PLOT_FLOOR_BITS = -8.0  # where the plot draws a value float16 cannot hold at all (inf, NaN)
 
 
 @dataclass
@@ -161,8 +162,14 @@ class Numerics:
 
 
 def _bits(headroom: Optional[float]) -> float:
-    """A headroom for comparisons and plots: None (nothing recorded) as unlimited."""
+    """A headroom for comparisons: None (nothing recorded) as unlimited."""
     return math.inf if headroom is None else headroom
+
+
+def _plotted(headroom: Optional[float]) -> float:
+    """A headroom as drawn: None (nothing recorded) not at all, an inf or NaN value (-inf) at
+    the plot's floor."""
+    return math.nan if headroom is None else max(headroom, PLOT_FLOOR_BITS)
 
 
 def probe_numerics(model: nn.Module, criterion, samples: Iterable[Dict],
@@ -191,15 +198,16 @@ def probe_numerics(model: nn.Module, criterion, samples: Iterable[Dict],
 
 def plot_numerics(models: Dict[str, Numerics], path: str) -> None:
     """Per model, the activation and gradient headroom of every module (in module order;
-    float16 overflows below the dashed line at 0) and the gradient norm per layer."""
+    float16 overflows below the dashed line at 0; inf and NaN at -8) and the gradient norm per
+    layer."""
     plt = pyplot()
     figure, (headroom, norms) = plt.subplots(2, 1, figsize=(10, 7))
     for name, numerics in models.items():
         rows = numerics.module_rows()
         positions = range(len(rows))
-        headroom.plot(positions, [min(_bits(row["activation_headroom_log2"]), 64) for row in rows], ".",
+        headroom.plot(positions, [_plotted(row["activation_headroom_log2"]) for row in rows], ".",
                       markersize=3, label=f"{name}: activations")
-        headroom.plot(positions, [min(_bits(row["gradient_headroom_log2"]), 64) for row in rows], "x",
+        headroom.plot(positions, [_plotted(row["gradient_headroom_log2"]) for row in rows], "x",
                       markersize=3, label=f"{name}: gradients")
         layers = numerics.layer_rows()
         norms.plot(range(len(layers)), [row["gradient_norm"] for row in layers], marker="o", label=name)
