@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from fairseq_helpers import build_model, full_logits, random_batch
 
-from mlmha_fairseq.experiments.systems import SYSTEMS
+from mlmha_fairseq.experiments.systems import SIZES, SYSTEMS, lookup
 from mlmha_fairseq.modules.multi_layer_attention import MultiLayerMultiheadAttention, parse_variant
 
 # The GPU tier: ``pytest -m cuda`` on a machine with a GPU; skipped, with this reason, elsewhere.
@@ -46,6 +46,60 @@ MECHANISMS = {
 }
 
 
+# The documents' base width (d = 512, 8 heads, FFN 2,048; one embedding matrix shared three
+# ways, dropout 0.1) at a depth a CPU runs in seconds: 3 encoder layers (MS-2 needs one above
+# layer 2) and 2 decoder layers.
+BASE = SIZES["base"]
+BASE_WIDTH_ARGS = [*BASE.options(), "--encoder-layers", "3", "--decoder-layers", "2"]
+# Every mechanism of MECHANISMS, plus the two systems whose --fp16 training at the base shape
+# stopped at fairseq's minimum loss scale (docs/experiment/gpu-base/README.md, "fp16").
+STOPPED_IN_FP16 = ("mlrf Both-FNN-SA", "MS-2 + AIF")
+BASE_WIDTH_SYSTEMS = [*MECHANISMS, *STOPPED_IN_FP16]
+# A trained post-norm model's magnitudes, which a freshly initialised one lacks: the shared
+# embedding matrix 2x its initial scale (embedding outputs sqrt(d) E of std 2), every
+# LayerNorm gain 4x (normalised states of std 4, up to ~90 in a peaked channel; with the tied
+# output matrix, logits up to ~100), and the weights that reach the loss only through a
+# LayerNorm 1,000x (MLRF's fusion FNN before its LN, outputs in the thousands: the function
+# is scale-invariant, so fp32 computes the same model, and Adam grows such weights' norm
+# without bound, Heo et al. 2021, AdamP). The loss is not scaled: fairseq's scaler halves its
+# scale at each overflow of the gradients it multiplies, and a collapse below 1 (where the GPU
+# runs of MLRF and MS-2 + AIF ended) means that the unscaled computation was not finite.
+GROWN_EMBEDDING, GROWN_LAYER_NORM_GAIN, GROWN_SCALE_INVARIANT = 2.0, 4.0, 1000.0
+
+
+def base_width_options(name):
+    """``name``'s architecture and options at the base width. The tests' own depth and head
+    overrides (``test_options``) are dropped, but for a deeper encoder that the system needs
+    (MS-123 attaches auxiliary decoders to layers 1-3)."""
+    system = lookup(name)
+    extra = list(system.test_options or ())
+    keep = extra[extra.index("--encoder-layers"):][:2] if "--encoder-layers" in extra else []
+    return [system.arch, *BASE_WIDTH_ARGS, *without_criterion(system.options), *keep]
+
+
+def grow_to_trained_magnitudes(model):
+    """Scale ``model``'s weights in place to :data:`GROWN_EMBEDDING` and the other grown
+    magnitudes above; returns ``model``."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                parameter.mul_(GROWN_EMBEDDING)
+            elif ".ffn.fc2." in name:  # the MLRF fusion FNN's output layer, before its LayerNorm
+                parameter.mul_(GROWN_SCALE_INVARIANT)
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.mul_(GROWN_LAYER_NORM_GAIN)
+    return model
+
+
+def build_at_base_width(name, dtype=torch.float32, seed=0):
+    """``name`` at the base width with grown magnitudes, cast to ``dtype``, in eval mode (no
+    dropout: fp32 and half precision compute the same function)."""
+    torch.manual_seed(seed)
+    model = grow_to_trained_magnitudes(build_model(*base_width_options(name)))
+    return model.to(dtype=dtype).eval(), model.decoder.dictionary
+
+
 def build(name, device="cpu", dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     arch, *options = MECHANISMS[name]
@@ -53,10 +107,11 @@ def build(name, device="cpu", dtype=torch.float32, seed=0):
     return model.to(device=device, dtype=dtype).eval(), model.decoder.dictionary
 
 
-def loss_and_gradients(model, dictionary, left_pad=True):
+def loss_and_gradients(model, dictionary, left_pad=True, **batch):
     """Teacher-forced cross-entropy of a padded batch (fp32 reduction), its logits and the
-    gradient of every parameter, flattened into one fp32 vector."""
-    src, lengths, prev = random_batch(dictionary, left_pad=left_pad)
+    gradient of every parameter, flattened into one fp32 vector. ``batch``: random_batch's
+    sizes."""
+    src, lengths, prev = random_batch(dictionary, left_pad=left_pad, **batch)
     device = next(model.parameters()).device
     src, lengths, prev = src.to(device), lengths.to(device), prev.to(device)
     model.zero_grad()

@@ -14,7 +14,8 @@ import torch
 
 from fairseq_helpers import USER_DIR, run_fairseq, train_args
 from mlmha_fairseq.cli import (
-    aif_dependency, attention_stats, dc_diversity, dump_attention, mlrf_hop_weights, multi_source_attention, probe,
+    aif_dependency, attention_stats, dc_diversity, dump_attention, mlrf_hop_weights, multi_source_attention, numerics,
+    probe,
 )
 from mlmha_fairseq.experiments import grid, systems
 from mlmha_fairseq import compat
@@ -97,6 +98,7 @@ TOOLS = {  # each of the package's tools that loads a checkpoint, with the least
     "aif_dependency": (aif_dependency.main, ["--split", "test", "--output-prefix", "{out}"]),
     "multi_source_attention": (multi_source_attention.main, ["--no-plots", "--output-dir", "{out}"]),
     "probe": (probe.main, ["--tasks", "{probing}", "--output-prefix", "{out}"]),
+    "numerics": (numerics.main, ["--output-prefix", "{out}"]),
 }
 
 

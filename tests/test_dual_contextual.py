@@ -74,6 +74,31 @@ def test_padding_does_not_change_real_positions(left_pad, norm, kernel_size):
             torch.testing.assert_close(batched[real, row], alone["encoder_out"][0][:, 0])
 
 
+@pytest.mark.parametrize("left_pad", [True, False], ids=["left-pad", "right-pad"])
+@pytest.mark.parametrize("norm", [[], PRE_NORM], ids=["post-norm", "pre-norm"])
+def test_logits_of_a_sentence_do_not_depend_on_the_batch_it_is_padded_in(left_pad, norm):
+    """Full-DC's logits (encoder and causal decoder DC modules) for each sentence alone equal
+    its rows in a batch of sources of 1 to 8 tokens, padded on either side."""
+    dictionary = toy_dictionary()
+    model = build_model("slot_transformer", *FULL_DC, *norm, dictionary=dictionary).eval()
+    lengths = torch.tensor([8, 1, 5, 3])
+    src = torch.full((4, 8), dictionary.pad())
+    for row, length in enumerate(lengths.tolist()):
+        words = torch.randint(dictionary.nspecial, len(dictionary), (length,), generator=torch.Generator().manual_seed(row))
+        words[-1] = dictionary.eos()
+        if left_pad:
+            src[row, 8 - length:] = words
+        else:
+            src[row, :length] = words
+    _, _, prev = random_batch(dictionary, batch_size=4, tgt_len=6)
+    with torch.no_grad():
+        batched = model(src, lengths, prev)[0]
+        for row, length in enumerate(lengths.tolist()):
+            real = slice(8 - length, 8) if left_pad else slice(0, length)
+            alone = model(src[row : row + 1, real], lengths[row : row + 1], prev[row : row + 1])[0]
+            torch.testing.assert_close(batched[row], alone[0])
+
+
 def test_pad_rows_are_zeroed_before_the_convolution():
     """Whatever the pad rows of r hold, the real rows of l_c are the same."""
     unit = LocalContextualUnit(D, 3, causal=False).eval()

@@ -326,7 +326,10 @@ class MultiLayerMultiheadAttention(nn.Module):
         key, value = cache["key"], cache["value"]
         attend, empty = cache.get("attend"), cache.get("empty")
         assert key is not None and value is not None
-        scores = torch.matmul(query, key.transpose(-1, -2)) * self.scaling
+        # the query scaled before the product, as fairseq's MultiheadAttention does: the
+        # unscaled sum over d_k (n*d_k in the joint variants) would reach float16's 65,504
+        # sqrt(d_k) times sooner
+        scores = torch.matmul(query * self.scaling, key.transpose(-1, -2))
         if attend is not None:
             scores = scores.masked_fill(~attend, float("-inf"))
         probs = utils.softmax(scores, dim=-1).type_as(scores)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from fairseq import utils
 from fairseq.modules import FairseqDropout, LayerNorm
 from torch import Tensor, nn
@@ -68,6 +69,8 @@ class FeedForward(nn.Module):
 
     [paper] §4.2: PyTorch's default ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` init. Written
     here because fairseq has no stand-alone FFN module (its FFN is inline in its layers).
+    Computed in the input's dtype, the weights cast to it (a no-op unless the fusion passes
+    a float32 input to a half-precision model: :func:`normalised_ffn`).
     """
 
     def __init__(self, input_dim: int, hidden_dim: int, output_dim: int, activation: str,
@@ -79,7 +82,32 @@ class FeedForward(nn.Module):
         self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.dropout_module(self.activation_fn(self.fc1(x))))
+        hidden = self.activation_fn(F.linear(x, self.fc1.weight.to(x.dtype), self.fc1.bias.to(x.dtype)))
+        return F.linear(self.dropout_module(hidden), self.fc2.weight.to(x.dtype), self.fc2.bias.to(x.dtype))
+
+
+class FloatLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (the same parameters) computed in at least float32 and returned in
+    its input's dtype: fairseq's ``Fp32LayerNorm``, which would also round a float64 input to
+    float32."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return F.layer_norm(x.to(dtype), self.normalized_shape, self.weight.to(dtype), self.bias.to(dtype),
+                            self.eps).type_as(x)
+
+
+def normalised_ffn(ffn: FeedForward, layer_norm: FloatLayerNorm, x: Tensor) -> Tensor:
+    """``LN(FNN(x))`` of the FNN and SA fusions (Eq. 3), computed in at least float32 and
+    returned in ``x``'s dtype. The LayerNorm removes any scale of the FNN's output, so the
+    loss does not bound the scale of ``W_b`` (nor of ``W_a``, through the ReLU), and Adam grows
+    such scale-invariant weights (Heo et al. 2021, AdamP): the FNN's output can outgrow
+    float16's 65,504 while the model's function does not change. In float32 (range 3.4e38) it
+    cannot; the normalised output is cast back, as fairseq's ``Fp32LayerNorm`` casts its own.
+    Autocast (``--amp``) is off inside, or it would run the FNN's matrix products in float16."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return layer_norm(ffn(x.to(dtype))).type_as(x)
 
 
 class AverageFusion(nn.Module):
@@ -103,7 +131,7 @@ class FeedForwardFusion(nn.Module):
         super().__init__()
         self.ffn = FeedForward(num_states * embed_dim, options.ffn_dim, embed_dim,
                                options.ffn_activation, options.dropout)
-        self.layer_norm = LayerNorm(embed_dim)
+        self.layer_norm = FloatLayerNorm(embed_dim)  # see normalised_ffn
 
     def forward(self, states: Tensor, layer_embedding: Optional[Tensor] = None) -> Tensor:
         """``states``: K x T x B x C, ``layer_embedding``: K x C -> T x B x C."""
@@ -111,7 +139,7 @@ class FeedForwardFusion(nn.Module):
         num_states, length, bsz, embed_dim = states.shape
         # K x T x B x C -> T x B x (K*C), [z~^0 | z~^1 | ...]
         concat = states.permute(1, 2, 0, 3).reshape(length, bsz, num_states * embed_dim)
-        return self.layer_norm(self.ffn(concat))
+        return normalised_ffn(self.ffn, self.layer_norm, concat)
 
 
 class LayerAttention(nn.Module):
@@ -169,14 +197,14 @@ class SelfAttentionFusion(nn.Module):
         self.attention = LayerAttention(num_states, embed_dim, options)
         self.ffn = FeedForward(options.hops * embed_dim, options.ffn_dim, embed_dim,
                                options.ffn_activation, options.dropout)
-        self.layer_norm = LayerNorm(embed_dim)
+        self.layer_norm = FloatLayerNorm(embed_dim)  # see normalised_ffn
 
     def forward(self, states: Tensor, layer_embedding: Optional[Tensor] = None) -> Tensor:
         """``states``: K x T x B x C, ``layer_embedding``: K x C -> T x B x C."""
         states = add_layer_embedding(states, layer_embedding)
         weights = self.attention(states)  # T x B x n_hop x K
         hops = torch.einsum("tbpk,ktbc->tbpc", weights, states)  # Eq. 7: T x B x n_hop x C
-        return self.layer_norm(self.ffn(hops.flatten(2)))
+        return normalised_ffn(self.ffn, self.layer_norm, hops.flatten(2))
 
 
 def build_fusion(function: str, num_states: int, embed_dim: int, options: FusionOptions) -> nn.Module:
