@@ -69,7 +69,9 @@ def manifest_differences(manifest: Dict, wanted: Dict) -> List[str]:
         held = manifest.get(key.split(".")[0]) if "." in key else manifest.get(key)
         if "." in key:
             held = (held or {}).get(key.split(".", 1)[1]) if isinstance(held, dict) else None
-        if key == "raw.sha256" and isinstance(held, dict):
+        if key == "raw.sha256" and not isinstance(held, dict):
+            differences.append("not built from raw text")
+        elif key == "raw.sha256":
             differences += [f"{name} {'changed' if name in held else 'added'}" for name in sorted(value)
                             if held.get(name) != value[name]]
             differences += [f"{name} removed" for name in sorted(set(held) - set(value))]
