@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test   create .venv if needed, install everything, run the test suite
 #   make demo   same set-up, then the main job (train, decode, score)
+#   make security  the exhaustive checkpoint-payload sweep (minutes; not in CI)
 #   make mutation  mutation testing of the mechanism code (hours on 2 cores; not in CI;
 #                  docs/testing.md), e.g. make mutation MUTANTS='mlmha_fairseq.modules.dual_contextual*'
 #   make experiment   a grid of systems x seeds from a TOML file (EXPERIMENT=...)
@@ -17,7 +18,7 @@ MUTANTS ?=
 EXPERIMENT ?= examples/experiment/demo.toml
 EXPERIMENT_ARGS ?=
 
-.PHONY: venv test demo experiment results mutation clean-venv
+.PHONY: venv test demo experiment results mutation security clean-venv
 
 venv: $(STAMP)
 
@@ -37,6 +38,11 @@ mutation: $(STAMP)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
 	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 $(MUTANTS)
 	$(PY) -m mutmut results
+
+# the exhaustive checkpoint-payload sweep: every stored option of real checkpoints of four
+# models, argparse and hydra forms, through fairseq-generate's and -interactive's loading paths
+security: $(STAMP)
+	MLMHA_EXHAUSTIVE=1 $(PY) -m pytest tests/test_checkpoint_payloads.py $(PYTEST_ARGS)
 
 # a grid of systems x seeds (default: the quick demo with 3 seeds); resumes when rerun
 experiment: $(STAMP)

@@ -11,7 +11,8 @@ a ``decoder`` sub-dict). Each planted file goes through the loading path of fair
 fairseq-interactive and the hub (``load_model_ensemble_and_task``, the task from the checkpoint).
 The payload would create a sentinel file if it ran: none may appear, and a refusal is one line
 naming the option. The same sweep on the code before compat's value checks ran the payload
-(``encoder_xformers_att_config``, issue 44)."""
+(``encoder_xformers_att_config``, issue 44). The sweep takes minutes: ``make security`` runs it
+(it is skipped otherwise); the multi-source entry points below run in the suite."""
 import copy
 import os
 import subprocess
@@ -185,6 +186,7 @@ def assert_refused_naming(error: UnsafeCheckpointError, path):
     assert f"{path[-1]}=" in line, (path, line)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("model,form", CHECKPOINTS, ids=[f"{m}-{f}" for m, f in CHECKPOINTS])
 def test_no_stored_option_runs_code_whatever_its_name(checkpoints, corpora, tmp_path, model, form):
     original = checkpoints(model, form)
@@ -224,6 +226,7 @@ def test_no_stored_option_runs_code_whatever_its_name(checkpoints, corpora, tmp_
         assert refused >= len([group for group in groups if group[0][:2] == ("cfg", "model")])
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("model,form", CHECKPOINTS, ids=[f"{m}-{f}" for m, f in CHECKPOINTS])
 @pytest.mark.parametrize("name", ["xformers_att_config", "adaptive_softmax_cutoff"])
 def test_what_fairseq_evaluates_is_refused_naming_it(checkpoints, corpora, tmp_path, model, form, name):

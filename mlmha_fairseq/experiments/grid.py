@@ -508,8 +508,10 @@ def run_settings(run: Run, settings: Settings, references: Sequence[str]) -> Dic
 def check_run_settings(runs: Sequence[Run], settings: Settings, references: Sequence[str]) -> None:
     """Refuse a run folder trained (or being trained) with other settings than this grid's,
     naming the first setting that differs: it would be skipped (finished) or resumed (not)
-    and reported under this grid's settings. Folders of earlier versions, and runs restored
-    from records, hold no settings and are taken as they are."""
+    and reported under this grid's settings. An unfinished run may resume to another
+    ``max_update`` (a stopped attempt continues to the new cap; its record is updated when it
+    resumes). Folders of earlier versions, and runs restored from records, hold no settings and
+    are taken as they are."""
     for run in runs:
         try:
             with open(run.path(RUN_SETTINGS), encoding="utf-8") as handle:
@@ -520,7 +522,8 @@ def check_run_settings(runs: Sequence[Run], settings: Settings, references: Sequ
             raise UsageError(f"run folder {run.directory}: {RUN_SETTINGS} cannot be read ({error}): move the run "
                              "folder away") from None
         current = run_settings(run, settings, references)
-        differing = [key for key in current if stored.get(key) != current[key]]
+        differing = [key for key in current if stored.get(key) != current[key]
+                     and (run.finished or key != "max_update")]
         if differing:
             key = differing[0]
             state = "trained" if run.finished else "partly trained"
@@ -537,7 +540,7 @@ def execute(run: Run, settings: Settings, references: List[str], work_dir: str, 
     from mlmha_fairseq.evaluation.meteor import UNAVAILABLE, corpus_meteor, load_wordnet
 
     start = time.time()
-    if not os.path.isfile(run.path(RUN_SETTINGS)) and not os.path.isfile(run.path("train.done")):
+    if not os.path.isfile(run.path("train.done")):  # a new run, or one resumed to this grid's max_update
         write_text(run.path(RUN_SETTINGS), json.dumps(run_settings(run, settings, references), indent=2) + "\n")
     if not os.path.isfile(run.path("train.done")):
         train(run, settings, work_dir, on_poll)

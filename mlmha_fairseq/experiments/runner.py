@@ -12,7 +12,7 @@ from typing import Dict, List
 
 from mlmha_fairseq.corpus.builder import MANIFEST, TEXT_DIR
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.evaluation.comet import load_comet
+from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
 from mlmha_fairseq.evaluation.text_io import check_same_length, read_lines
 from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
 from mlmha_fairseq.experiments.corpora import Corpus, check_corpus, prepare_corpus
@@ -48,14 +48,15 @@ def slot_env(slot: int, threads: int, gpus: List[str]) -> Dict[str, str]:
 def check_comet(comet_model: str, corpus: Dict) -> None:
     """Before anything runs: ``--comet-model`` is a COMET model folder that loads (unbabel-comet
     installed, its encoder local; loaded once, kept for the report), and a data-bin corpus gives
-    the raw test sources COMET reads, one per reference."""
-    load_comet(comet_model)
+    the raw test sources COMET reads, one per reference (checked first: it costs nothing)."""
+    checkpoint_path(comet_model)
     if "data_bin" in corpus:
         if "test_sources" not in corpus:
             raise UsageError("--comet-model with a [corpus] data_bin needs test_sources = the raw test sentences "
                              "of the (first) source language")
         check_same_length([(corpus["test_sources"], read_lines(corpus["test_sources"])),
                            (corpus["test_references"], read_lines(corpus["test_references"]))])
+    load_comet(comet_model)
 
 
 # what the runner writes in its work directory, by kind: one of the wrong kind (a file named runs,
