@@ -43,7 +43,7 @@ from mlmha_fairseq.experiments.systems import DEMO_SYSTEMS as SYSTEMS
 from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES as STRATEGIES
 from mlmha_fairseq.experiments.systems import System, multi_source_system
 from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
-from mlmha_fairseq.evaluation.replicates import ReplicateOptions, build_report, write_report
+from mlmha_fairseq.evaluation.replicates import REPORT_EXTENSIONS, ReplicateOptions, build_report, write_report
 from mlmha_fairseq.evaluation.scoring import corpus_score, resolve_protocol
 from mlmha_fairseq.evaluation.text_io import read_lines, write_json, write_text
 from mlmha_fairseq.errors import UsageError
@@ -56,7 +56,6 @@ EXAMPLES_SHOWN = 3
 BASELINE = SYSTEMS[0].name
 MULTI_SOURCE_LANGS = ("es", "fr", "de")
 RESULTS_MD, RESULTS_JSON = "results.md", "results.json"
-REPORT_EXTENSIONS = (".md", ".tex", ".json", ".png")  # what write_report writes for a table
 
 
 def multi_source_systems(langs) -> List[System]:

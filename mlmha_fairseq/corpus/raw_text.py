@@ -66,9 +66,9 @@ def manifest_differences(manifest: Dict, wanted: Dict) -> List[str]:
     and each raw file by its name."""
     differences = []
     for key, value in wanted.items():
-        held = manifest.get(key.split(".")[0]) if "." in key else manifest.get(key)
-        if "." in key:
-            held = (held or {}).get(key.split(".", 1)[1]) if isinstance(held, dict) else None
+        held = manifest
+        for part in key.split("."):
+            held = held.get(part) if isinstance(held, dict) else None
         if key == "raw.sha256" and not isinstance(held, dict):
             differences.append("not built from raw text")
         elif key == "raw.sha256":

@@ -265,6 +265,9 @@ def latex_table(report: ReplicateReport, budget: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+REPORT_EXTENSIONS = (".md", ".tex", ".json", ".png")  # what write_report writes for a table
+
+
 def write_report(report: ReplicateReport, prefix: str, budget: str, title: str = "") -> str:
     """``prefix``.md/.tex/.json/.png, each written atomically; returns the Markdown table."""
     from mlmha_fairseq.evaluation.plotting import plot_replicates

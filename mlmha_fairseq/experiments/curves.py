@@ -113,6 +113,9 @@ def curve_report(grid: Grid) -> Dict:
     return {"curves": curves, "seeds": seeds, "matched_update": update, "matched_bleu": matched}
 
 
+CURVE_REPORT_EXTENSIONS = (".md", ".json", ".png")  # what write_curve_report writes
+
+
 def write_curve_report(grid: Grid, prefix: str) -> str:
     """``<prefix>.png`` (the curves), ``<prefix>.json`` and ``<prefix>.md``; returns the Markdown."""
     report = curve_report(grid)

@@ -13,11 +13,12 @@ from typing import Dict, List
 from mlmha_fairseq.corpus.builder import MANIFEST, TEXT_DIR
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
+from mlmha_fairseq.evaluation.replicates import REPORT_EXTENSIONS
 from mlmha_fairseq.evaluation.text_io import check_same_length, read_lines
 from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
 from mlmha_fairseq.experiments.corpora import Corpus, check_corpus, prepare_corpus
 from mlmha_fairseq.experiments import records, slurm
-from mlmha_fairseq.experiments.curves import write_curve_report
+from mlmha_fairseq.experiments.curves import CURVE_REPORT_EXTENSIONS, write_curve_report
 from mlmha_fairseq.experiments.grid import Grid, check_run_settings, minutes, report_failures
 from mlmha_fairseq.output_files import check_output_folder, exclusive_folder
 
@@ -59,19 +60,15 @@ def check_comet(comet_model: str, corpus: Dict) -> None:
     load_comet(comet_model)
 
 
-# what the runner writes in its work directory, by kind: one of the wrong kind (a file named runs,
-# a folder named results.md) would fail only when it is written, after the training
-WORK_DIR_FOLDERS = ("runs", "logs")
-WORK_DIR_FILES = ("commands.log", *(f"results{suffix}" for suffix in (".md", ".tex", ".json", ".png")),
-                  *(f"results-curves{suffix}" for suffix in (".md", ".json", ".png")))
-
-
 def check_work_dir_entries(work_dir: str) -> None:
-    for name in WORK_DIR_FOLDERS:
+    """What the runner writes in its work directory, by kind: one of the wrong kind (a file
+    named runs, a folder named results.md) would fail only when it is written, after training."""
+    for name in ("runs", "logs"):
         if os.path.lexists(os.path.join(work_dir, name)) and not os.path.isdir(os.path.join(work_dir, name)):
             raise UsageError(f"work directory {work_dir}: {name} is not a folder; the runner keeps its {name} there: "
                              "move it away")
-    for name in WORK_DIR_FILES:
+    for name in ("commands.log", *(f"results{suffix}" for suffix in REPORT_EXTENSIONS),
+                 *(f"results-curves{suffix}" for suffix in CURVE_REPORT_EXTENSIONS)):
         if os.path.isdir(os.path.join(work_dir, name)):
             raise UsageError(f"work directory {work_dir}: {name} is a folder; the runner writes a file of that name: "
                              "move it away")
