@@ -9,7 +9,13 @@ have no entry point of ours: when the running program is one of them, importing 
 installs :func:`excepthook`. Any other program that imports the package (a notebook, pytest, a
 script) keeps its ``sys.excepthook``. Every other exception keeps the interpreter's usual
 traceback.
+
+The package is two parts: the plugin (what ``--user-dir mlmha_fairseq`` imports), which needs
+only fairseq, torch and numpy, and the lab (corpus builder, experiment runner, analysis tools),
+whose libraries come with ``pip install 'mlmha_fairseq[lab]'``. A lab library that is missing
+is reported as one line naming it and that command (:func:`missing_lab_message`).
 """
+import contextlib
 import importlib.metadata
 import os
 import pickle
@@ -68,6 +74,49 @@ def truncated_checkpoint_message(error: BaseException, tb) -> Optional[str]:
         return None
     reason = ' '.join(str(error).split())[:120] or type(error).__name__
     return f"checkpoint {path} is empty or truncated ({reason}): use another checkpoint"
+
+
+# The lab's libraries, by import name: their distribution, as pyproject.toml's lab extra lists it.
+LAB_PACKAGES = {
+    "sacremoses": "sacremoses",
+    "subword_nmt": "subword-nmt",
+    "compare_mt": "compare-mt",
+    "six": "six",
+    "matplotlib": "matplotlib",
+    "nltk": "nltk",
+    "wn": "wn",
+    "submitit": "submitit",
+}
+LAB_EXTRA = "mlmha_fairseq[lab]"
+
+
+def missing_lab_message(error: BaseException) -> Optional[str]:
+    """One line for an import of a lab library that is not installed, naming it and the extra
+    that installs it; None for any other error (a missing plugin dependency keeps its
+    traceback: the plugin's install is broken, not incomplete). Only the package's own
+    commands say it: in fairseq's, a missing module is fairseq's to report."""
+    name = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    distribution = LAB_PACKAGES.get((name or "").split(".")[0])
+    if distribution is None:
+        return None
+    return (f"{distribution} is not installed; the corpus builder, experiment runner and analysis tools "
+            f"need it: pip install '{LAB_EXTRA}'")
+
+
+@contextlib.contextmanager
+def lab_imports(module: str):
+    """Wrap the imports of lab libraries at the top of a lab command's module (``module``: its
+    ``__name__``). Run as the program, a missing one ends it with :func:`missing_lab_message`
+    and status 1: the tool's entry point (``cli._support.command``) has not started yet to
+    report it. Imported, the ``ModuleNotFoundError`` goes to the importer as usual."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        message = missing_lab_message(error)
+        if message is None or module != "__main__":
+            raise
+        print(format_usage_error(message), file=sys.stderr)
+        sys.exit(1)
 
 
 def one_line_message(error: BaseException, tb=None) -> Optional[str]:

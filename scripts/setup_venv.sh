@@ -7,6 +7,8 @@
 #            index), never a multi-GB CUDA build by accident.
 #   fairseq  fairseq-fixed (fairseq's main branch, importable on Python 3.11), installed with
 #            --no-deps: its metadata requires torchaudio, which would replace torch.
+#   requirements.txt, pinned: fairseq's runtime dependencies, the lab's libraries (pyproject.toml's
+#            `lab` extra) and the tests': everything, whereas `pip install .` brings the plugin's only.
 #   this package, editable, so `--user-dir mlmha_fairseq` and `import mlmha_fairseq` work anywhere.
 #   COMET    with WITH_COMET=1: requirements-comet.txt, installed with --no-deps: unbabel-comet
 #            declares numpy<2 and protobuf<5, which would replace requirements.txt's.

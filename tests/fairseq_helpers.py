@@ -43,9 +43,9 @@ def write_reversal_corpus(directory: Path, sizes=(("train", 300), ("valid", 16),
                 tgt.write(" ".join(reversed(words)) + "\n")
 
 
-def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, module=None):
+def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, module=None, python=None):
     """Run ``fairseq-<tool>`` (as ``python -m fairseq_cli.<tool>``, or ``module`` that stands
-    in for it) and return the result.
+    in for it; ``python``: the interpreter's command, default this one) and return the result.
 
     One intra-op thread: tiny models gain nothing from more, and test processes share cores.
 
@@ -57,7 +57,7 @@ def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, mo
     not rerun: the rerun would resume from them and train past --max-update."""
     for _attempt in range(2):
         result = subprocess.run(
-            [sys.executable, "-m", module or f"fairseq_cli.{tool}", *map(str, args)],
+            [*(python or [sys.executable]), "-m", module or f"fairseq_cli.{tool}", *map(str, args)],
             capture_output=True, text=True, cwd=cwd, input=input,
             env={"OMP_NUM_THREADS": "1", **(env or os.environ)},
         )

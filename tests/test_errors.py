@@ -10,7 +10,7 @@ import pytest
 
 from fairseq_helpers import train_args
 from mlmha_fairseq.cli._support import command
-from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.errors import UsageError, lab_imports
 
 # fairseq-train's own words for an option of a mechanism that is off
 MECHANISM_OFF = "--mlmha-variant M-00 needs --decoder-cross-attention multi-layer, which is off"
@@ -79,7 +79,10 @@ def _raise(error):
     (pickle.UnpicklingError(TORCH_REFUSAL),
      "tool.py: error: the checkpoint holds posix.system, which safe loading refuses: fairseq checkpoints store no "
      "such thing, so the file carries code or was not written by fairseq; do not load it"),
-], ids=["usage-error", "unsafe-checkpoint"])
+    (ModuleNotFoundError("No module named 'compare_mt'", name="compare_mt"),
+     "tool.py: error: compare-mt is not installed; the corpus builder, experiment runner and analysis tools need "
+     "it: pip install 'mlmha_fairseq[lab]'"),
+], ids=["usage-error", "unsafe-checkpoint", "missing-lab-library"])
 def test_command_prints_one_line_and_exits_with_status_1(monkeypatch, capsys, error, line):
     monkeypatch.setattr(sys, "argv", ["/somewhere/tool.py"])
     with pytest.raises(SystemExit) as exit_info:
@@ -97,4 +100,18 @@ def test_command_exits_with_mains_status_and_lets_other_errors_through(capsys):
         command(_raise(KeyError("x")))
     with pytest.raises(pickle.UnpicklingError, match="invalid load key"):
         command(_raise(pickle.UnpicklingError("invalid load key, 'x'.")))
+    with pytest.raises(ModuleNotFoundError, match="torch"):  # the plugin's: a broken install, not an incomplete one
+        command(_raise(ModuleNotFoundError("No module named 'torch'", name="torch")))
     assert capsys.readouterr().err == ""
+
+
+def test_lab_imports_stop_only_the_running_program(capsys):
+    missing = ModuleNotFoundError("No module named 'sacremoses'", name="sacremoses")
+    with pytest.raises(ModuleNotFoundError, match="sacremoses"):
+        with lab_imports("mlmha_fairseq.cli.build_corpus"):  # imported by another program
+            raise missing
+    with pytest.raises(SystemExit) as exit_info:
+        with lab_imports("__main__"):
+            raise missing
+    assert exit_info.value.code == 1
+    assert "sacremoses is not installed" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from mlmha_fairseq.evaluation.scoring import (
     TextOptions,
     resolve_protocol,
 )
-from mlmha_fairseq.errors import UsageError, format_usage_error, one_line_message
+from mlmha_fairseq.errors import UsageError, format_usage_error, missing_lab_message, one_line_message
 from mlmha_fairseq.output_files import refuse_overwriting_inputs
 
 SUBWORD_NMT = "subword_nmt"
@@ -139,14 +139,15 @@ def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
 def command(main: Callable[[], Optional[int]]) -> NoReturn:
     """Run a tool's ``main`` as its command (``if __name__ == "__main__"``) and exit with the
     status it returns: input the package rejects (:class:`~mlmha_fairseq.errors.UsageError`),
-    or a checkpoint that safe loading refuses, ends it with one line ``<prog>: error: ...`` and
-    status 1 instead of a traceback. Here rather than in a ``sys.excepthook``, so that importing
+    a checkpoint that safe loading refuses, or a lab library that is not installed (imported
+    where a tool needs it), ends it with one line ``<prog>: error: ...`` and status 1 instead
+    of a traceback. Here rather than in a ``sys.excepthook``, so that importing
     the package leaves other programs' hooks alone; ``main`` itself raises, for callers in
     Python."""
     try:
         status = main()
     except Exception as error:
-        message = one_line_message(error, error.__traceback__)
+        message = one_line_message(error, error.__traceback__) or missing_lab_message(error)
         if message is None:
             raise
         print(format_usage_error(message), file=sys.stderr)

@@ -18,16 +18,18 @@ import sys
 from typing import List, Optional
 
 from mlmha_fairseq.cli import _support as cli_support
-from mlmha_fairseq.corpus.builder import (
-    BPE_CODES, DATA_BIN, DEFAULT_BPE_MERGES, DEFAULT_SEED, DEFAULT_WORKERS, MANIFEST, TEXT_DIR, BuildConfig,
-    build_corpus,
-)
 from mlmha_fairseq.corpus.errors import CorpusError
 from mlmha_fairseq.corpus.fetch import CACHE_ENV_VAR, DB_NAME, DEFAULT_CACHE_DIR, REQUIREMENT, default_cache_dir
 from mlmha_fairseq.corpus.splits import DEFAULT_TEST_BOOKS, DEFAULT_VALID_BOOKS
 from mlmha_fairseq.corpus.versions import VERSIONS, version_choices
-from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.errors import UsageError, lab_imports
 from mlmha_fairseq.output_files import check_output_file, check_output_folder
+
+with lab_imports(__name__):  # sacremoses, subword-nmt
+    from mlmha_fairseq.corpus.builder import (
+        BPE_CODES, DATA_BIN, DEFAULT_BPE_MERGES, DEFAULT_SEED, DEFAULT_WORKERS, MANIFEST, TEXT_DIR, BuildConfig,
+        build_corpus,
+    )
 
 EXIT_ERROR = 1
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"

