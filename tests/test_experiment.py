@@ -30,6 +30,12 @@ dir = "{corpus}"
 """
 
 
+def test_the_runs_user_dir_is_the_package_folder():
+    import mlmha_fairseq
+
+    assert grid.USER_DIR == os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
+
+
 def commands(work):
     return (work / "commands.log").read_text().splitlines()
 

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-import mlmha_fairseq
 from mlmha_fairseq.child_processes import end_with_parent
 from mlmha_fairseq.experiments.systems import SIZES, System
 from mlmha_fairseq.errors import UsageError
@@ -29,7 +28,9 @@ from mlmha_fairseq.evaluation.scoring import TextOptions, corpus_score, load_hyp
 from mlmha_fairseq.evaluation.text_io import read_lines, write_text
 
 logger = logging.getLogger("mlmha_fairseq.experiment")
-USER_DIR = os.path.dirname(os.path.abspath(mlmha_fairseq.__file__))
+# fairseq-train's --user-dir: the package folder, this file's grandparent (found from the path,
+# so that the runner's modules do not depend on the plugin's for it)
+USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLL_SECONDS = 20
 STOP_CHECK_SECONDS = 1  # how often a run's ``stop_when`` is asked (it reads the run's log)
 UPDATE_CHECKPOINT = r"checkpoint_\d+_(\d+)\.pt"  # fairseq's name of the checkpoint after update N
