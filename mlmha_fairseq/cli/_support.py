@@ -185,6 +185,28 @@ def add_sentence_selection(parser: argparse.ArgumentParser, default_seed: int, s
                         help="sampling seed (default: %(default)s)")
 
 
+ANALYSIS_SEED = 1
+
+
+def checkpoint_analysis_parser(module: str, docstring: str, checkpoints_help: str, output_prefix: str,
+                               sample_note: str = "") -> argparse.ArgumentParser:
+    """The parser of an analysis that compares checkpoints on the same sentences
+    (``attention_stats``, ``dc_diversity``, ``aif_dependency``, which share the loop
+    :func:`mlmha_fairseq.evaluation.model_loading.checkpoint_batches`): the checkpoints, their
+    ``--names``, the sentences (:func:`add_sentence_selection`), ``--batch-size`` and
+    ``--output-prefix``; the tool adds its own options."""
+    from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE
+
+    parser = make_parser(module, docstring)
+    parser.add_argument("checkpoints", nargs="+", help=checkpoints_help)
+    parser.add_argument("--names", nargs="+", help="one name per checkpoint")
+    add_sentence_selection(parser, ANALYSIS_SEED, sample_note)
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="sentences per batch (default: %(default)s)")
+    add_output_prefix(parser, output_prefix)
+    return parser
+
+
 
 def positive_int(text: str) -> int:
     """An argparse ``type`` for counts that must be at least 1 (updates, seeds): 0 would

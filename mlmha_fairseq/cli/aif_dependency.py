@@ -9,19 +9,16 @@ Examples (the thesis' setting: 1,000 random En-Vi test sentences, MS-l + AIF mod
 """
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.aif_dependency import aif_dependency, plot_aif_dependency
-from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE, checkpoint_batches, read_sentences
+from mlmha_fairseq.evaluation.model_loading import checkpoint_batches, read_sentences
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
-DEFAULT_SEED = 1
 DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B = 1.0, 20  # the authors' code: source length + 20
 
 
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__)
-    parser.add_argument("checkpoints", nargs="+",
-                        help="fairseq checkpoints of ms_transformer models with --aux-fusion")
-    parser.add_argument("--names", nargs="+", help="one name per checkpoint")
-    cli_support.add_sentence_selection(parser, DEFAULT_SEED, sample_note="; the thesis: 1000")
+    parser = cli_support.checkpoint_analysis_parser(
+        __spec__.name, __doc__, "fairseq checkpoints of ms_transformer models with --aux-fusion", "aif_dependency",
+        sample_note="; the thesis: 1000")
     parser.add_argument("--max-len-a", type=float, default=DEFAULT_MAX_LEN_A,
                         help="greedy decoding length limit a * source length + b "
                              "(default: a = %(default)s)")
@@ -29,9 +26,6 @@ def build_parser():
                         help="(default: b = %(default)s)")
     parser.add_argument("--per-token", action="store_true",
                         help="also write every sentence's tokens and per-token KL (Fig. 4.8)")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                        help="sentences per batch (default: %(default)s)")
-    cli_support.add_output_prefix(parser, "aif_dependency")
     return parser
 
 

@@ -8,26 +8,18 @@ Example (1,500 random newstest2014 sentences, as the documents)::
 """
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.attention_statistics import encoder_attention_statistics
-from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE, checkpoint_batches, read_sentences
+from mlmha_fairseq.evaluation.model_loading import checkpoint_batches, read_sentences
 from mlmha_fairseq.evaluation.plotting import plot_attention_heatmaps, plot_attention_layers
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
-DEFAULT_SEED = 1
-
-
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__)
-    parser.add_argument("checkpoints", nargs="+", help="fairseq checkpoints (any model of this "
-                                                       "package or fairseq's transformer)")
-    parser.add_argument("--names", nargs="+", help="one name per checkpoint")
-    cli_support.add_sentence_selection(parser, DEFAULT_SEED, sample_note="; the documents: 1500")
+    parser = cli_support.checkpoint_analysis_parser(
+        __spec__.name, __doc__, "fairseq checkpoints (any model of this package or fairseq's transformer)",
+        "attention_stats", sample_note="; the documents: 1500")
     parser.add_argument("--full-row", action="store_true",
                         help="sum over all keys j with |i-j| instead of the literal j<=i, i-j")
     parser.add_argument("--exclude-eos", action="store_true",
                         help="drop EOS rows and columns (default: keep EOS, drop padding)")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                        help="sentences per batch (default: %(default)s)")
-    cli_support.add_output_prefix(parser, "attention_stats")
     return parser
 
 

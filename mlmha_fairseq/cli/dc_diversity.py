@@ -8,24 +8,15 @@ Examples (the kernel-size sweep of thesis §5.6.2, Figs. 5.3-5.4, on newstest201
 """
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.evaluation.fi_diversity import HEAD_REDUCTIONS, MAX, fi_diversity, plot_fi_diversity
-from mlmha_fairseq.evaluation.model_loading import DEFAULT_BATCH_SIZE, checkpoint_batches, read_sentences
+from mlmha_fairseq.evaluation.model_loading import checkpoint_batches, read_sentences
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
-DEFAULT_SEED = 1
-
-
 def build_parser():
-    parser = cli_support.make_parser(__spec__.name, __doc__)
-    parser.add_argument("checkpoints", nargs="+",
-                        help="fairseq checkpoints of models with --dc-encoder-layers")
-    parser.add_argument("--names", nargs="+", help="one name per checkpoint")
-    cli_support.add_sentence_selection(parser, DEFAULT_SEED)
+    parser = cli_support.checkpoint_analysis_parser(
+        __spec__.name, __doc__, "fairseq checkpoints of models with --dc-encoder-layers", "dc_diversity")
     parser.add_argument("--head-reduction", choices=HEAD_REDUCTIONS, default=MAX,
                         help="how one distribution represents the heads: element-wise max, "
                              "renormalised (default), or the head with the highest peak")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                        help="sentences per batch (default: %(default)s)")
-    cli_support.add_output_prefix(parser, "dc_diversity")
     return parser
 
 
