@@ -119,9 +119,11 @@ def test_tables_written_atomically_and_meteor_n_a_without_wordnet(tmp_path):
     table = replicates.write_report(report, str(tmp_path / "results"), "2 updates", "toy")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.md", "results.png", "results.tex"]
     lines = table.splitlines()
-    assert lines[0].startswith("| system | BLEU | Δ | s_sel | p (AR) |")
+    assert lines[0].startswith("| system | BLEU | Δ | s_sel | p (AR) | p (Holm) |")
     new_row = lines[3].split(" | ")
-    assert new_row[7] == "n/a" and new_row[-1].rstrip(" |") == "2.00 ± 1.41"  # METEOR, then the extra column
+    # one comparison: Holm leaves its p-value as it is
+    assert new_row[5] == new_row[4] == f"{report.rows[1].ar_p_value:.3f}"
+    assert new_row[8] == "n/a" and new_row[-1].rstrip(" |") == "2.00 ± 1.41"  # METEOR, then the extra column
     assert lines[2].endswith("| — |")  # the baseline has no extra value
     assert "METEOR: n/a: no WordNet database in" in table
     saved = json.loads((tmp_path / "results.json").read_text())
