@@ -2,8 +2,8 @@
 
 A mechanism that adds parameters (MLMHA's extra cross-attention, MLRF's fusion layers, the
 auxiliary decoders of multi-level supervision) may win by its size rather than by its idea;
-the comparison that separates the two is against a Transformer of the same size (Ampomah et al.
-compare models of matched size; Wang et al. 2019 compare DLCL with deeper Transformers). For each
+the comparison that separates the two is against a Transformer of the same size (as Wang et al.
+2019 weigh DLCL against deeper and wider Transformers). For each
 mechanism system named by the config's ``matched`` key the runner derives the baseline system
 with its feed-forward layers widened (``matched_by = "ffn"``: ``--encoder-ffn-embed-dim`` and
 ``--decoder-ffn-embed-dim`` both set to one width), or with layers added, encoder and decoder in
