@@ -86,6 +86,8 @@ LAB_PACKAGES = {
     "nltk": "nltk",
     "wn": "wn",
     "submitit": "submitit",
+    "statsmodels": "statsmodels",
+    "mt_thresholds": "mt-thresholds",
 }
 LAB_EXTRA = "mlmha_fairseq[lab]"
 

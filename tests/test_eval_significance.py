@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import sacrebleu
 from compare_mt import scorers
+from statsmodels.stats.multitest import multipletests
 
 from fixtures.synthetic_systems import corrupt, references
 from mlmha_fairseq.cli import significance as significance_cli
@@ -134,6 +135,15 @@ def test_significance_cli_writes_table_csv_json_png(tmp_path, capsys, systems):
     payload = json.loads((tmp_path / "out" / "sig.json").read_text(encoding="utf-8"))
     assert {(r["system"], r["method"]) for r in payload["results"]} == {
         ("good", "thesis"), ("same", "thesis"), ("good", "sacrebleu-bs"), ("same", "sacrebleu-bs")}
+    # two systems: each method's p-values Holm-adjusted over them, the mark method's in the table
+    assert table.splitlines()[0] == "| System | BLEU | Δ | p (thesis) | p (sacrebleu-bs) | p (Holm, thesis) |"
+    for method in ("thesis", "sacrebleu-bs"):
+        rows = [r for r in payload["results"] if r["method"] == method]
+        expected = multipletests([r["p_value"] for r in rows], method="holm")[1]
+        assert [r["p_holm"] for r in rows] == pytest.approx(list(expected))
+        assert [r["mark"] for r in rows] == [significance_mark(p) for p in expected]
+    holm_good = next(r["p_holm"] for r in payload["results"] if (r["system"], r["method"]) == ("good", "thesis"))
+    assert good_row.rstrip(" |").endswith(f"{holm_good:.4f}")
     assert (tmp_path / "out" / "sig.csv").exists()
     assert (tmp_path / "out" / "sig.png").stat().st_size > 0
 

@@ -210,6 +210,12 @@ BAD_CONFIGS = {
     'launcher = { sbatch = { comment = "x\\nrm -rf ~" } }': "sbatch must be a table of further sbatch options "
                                                              "without control characters",
     'launcher = { partition = "debug\\u0007" }': "partition must be a Slurm partition (no control characters)",
+    # budget-matched baselines (experiments/matching.py)
+    'matched = ["MLMHA M-00"]': "matched names 'MLMHA M-00', which is not one of the systems",
+    'matched = ["transformer"]': "matched names the baseline 'Transformer (fairseq)'",
+    "matched = 3": "matched must be true (every system but the baseline) or a list of system names",
+    'matched = true\nmatched_by = "wider"': "matched_by must be one of ffn, layers",
+    'matched_by = "layers"': "matched_by needs matched",
 }
 
 

@@ -38,8 +38,14 @@ def grid(tmp_path, name, corpus_lines):
 
 
 def table(work):
-    """The results' rows: every score of every seed, s_sel and the p-values."""
-    return json.loads((work / "results.json").read_text())["systems"]
+    """The results' rows: every score of every seed, s_sel, the p-values and the parameter
+    counts; the training time and speed, which no two runs share, are checked to be measured."""
+    rows = json.loads((work / "results.json").read_text())["systems"]
+    for row in rows:
+        costs = row["costs"]
+        assert all(value > 0 for value in costs.pop("train time (s)") + costs.pop("tokens/s"))
+        assert all(count > 0 for count in costs["params"])
+    return rows
 
 
 def test_raw_text_and_a_fairseq_data_bin_of_it_give_the_same_table(tmp_path, raw_text):

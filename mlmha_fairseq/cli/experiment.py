@@ -1,8 +1,9 @@
 """Experiment runner: a grid of systems x training seeds from a TOML file, each run trained
 with ``fairseq-train``, decoded with ``fairseq-generate``, detokenized and scored, then one
 MultEval-style table (mean ± sd over seeds, s_sel, approximate randomization over the
-replicates, sacreBLEU's paired bootstrap per seed; chrF, METEOR, chrF++, TER, and COMET with
-``--comet-model DIR``) as Markdown, LaTeX, JSON and PNG.
+replicates with Holm-adjusted p-values, sacreBLEU's paired bootstrap per seed; chrF, METEOR,
+chrF++, TER, and COMET with ``--comet-model DIR``; parameters, training time and tokens/s; each
+difference with its estimated human accuracy) as Markdown, LaTeX, JSON and PNG.
 
 Resumable: a run whose scores are written is skipped; a run that was stopped resumes from
 its ``checkpoint_last.pt`` (fairseq-train's own restore); a run that fails is reported and the
@@ -39,6 +40,9 @@ given its own through ``CUDA_VISIBLE_DEVICES``), with the same results as one at
     model_args = [...]  # default: the demo's model (d=128, 3+3 layers)
     train_args = []  # added to every fairseq-train command (with "--bf16": mlmha_fairseq.cli.train)
     generate_args = []  # added to every fairseq-generate command
+    matched = ["mlmha M-00"]  # or true (every system but the baseline): each also gets the baseline
+    # with as many parameters (within 1 %), trained and compared like any system
+    matched_by = "ffn"  # widen the FFN (default); "layers": add layers, then close with the FFN
 
     [corpus]  # an existing mlmha_fairseq.cli.build_corpus output ...
     dir = "work-demo/corpus-fr"

@@ -18,7 +18,9 @@ from mlmha_fairseq.evaluation.significance import (
     THESIS_SAMPLE_SIZE,
     SignificanceOptions,
     compare_systems,
+    significance_mark,
 )
+from mlmha_fairseq.evaluation.replicates import holm
 from mlmha_fairseq.evaluation.text_io import write_csv, write_json
 
 METHOD_HELP = """methods:
@@ -26,7 +28,8 @@ METHOD_HELP = """methods:
   compare-mt    compare-mt's paired bootstrap (--sample-ratio of the test set), its BLEU
   sacrebleu-bs  sacreBLEU --paired-bs (Moses bootstrap-hypothesis-difference-significance)
   sacrebleu-ar  sacreBLEU --paired-ar (approximate randomization, --ar-trials)
-marks: ‡ p < 0.01, † p < 0.05 (from --mark-method)"""
+marks: ‡ p < 0.01, † p < 0.05 (from --mark-method; with several systems, from its
+  Holm-Bonferroni adjusted p-values over the systems, the column p (Holm))"""
 
 
 def build_parser():
@@ -53,16 +56,32 @@ def build_parser():
     return parser
 
 
-def _table(names, results, methods, mark_method, metric):
+def holm_by_method(results):
+    """{(system, method): p} adjusted by Holm-Bonferroni (Holm 1979, statsmodels' multipletests)
+    over the systems each method compares with the baseline: one family per method, as each
+    method is one way of asking the same questions."""
+    adjusted = {}
+    for method in dict.fromkeys(r.method for r in results):
+        tested = [r for r in results if r.method == method]
+        adjusted.update({(r.system, method): p for r, p in zip(tested, holm([r.p_value for r in tested]))})
+    return adjusted
+
+
+def _table(names, results, methods, mark_method, metric, adjusted=None):
+    """The daggered table; with ``adjusted`` (several systems) a column p (Holm) of the mark
+    method's adjusted p-values, which then give the marks."""
     by_key = {(r.system, r.method): r for r in results}
     first = by_key[(names[1], methods[0])]
     header = ["System", metric.upper(), "Δ"] + [f"p ({m})" for m in methods]
+    header += [f"p (Holm, {mark_method})"] if adjusted else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines.append("| " + " | ".join([names[0], f"{first.baseline_score:.2f}", ""] + [""] * len(methods)) + " |")
+    lines.append("| " + " | ".join([names[0], f"{first.baseline_score:.2f}", ""] + [""] * (len(header) - 3)) + " |")
     for name in names[1:]:
         marked = by_key[(name, mark_method)]
-        cells = [name, f"{marked.score:.2f}{marked.mark}", f"{marked.delta:+.2f}"]
+        mark = significance_mark(adjusted[(name, mark_method)]) if adjusted else marked.mark
+        cells = [name, f"{marked.score:.2f}{mark}", f"{marked.delta:+.2f}"]
         cells += [f"{by_key[(name, m)].p_value:.4f}" for m in methods]
+        cells += [f"{adjusted[(name, mark_method)]:.4f}"] if adjusted else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -84,8 +103,13 @@ def significance(parser, args) -> None:
                                    args.ar_trials, args.seed)
     results, _samples = compare_systems(hyps[0], list(zip(names[1:], hyps[1:])), references,
                                         protocol, methods, settings)
-    print(_table(names, results, methods, mark_method, protocol.metric))
+    adjusted = holm_by_method(results) if len(names) > 2 else None
+    print(_table(names, results, methods, mark_method, protocol.metric, adjusted))
     rows = [dict(r.as_row(), baseline=names[0], protocol=protocol.name) for r in results]
+    if adjusted:
+        for row in rows:
+            row.update(p_holm=adjusted[(row["system"], row["method"])],
+                       mark=significance_mark(adjusted[(row["system"], row["method"])]))
     write_csv(args.output_prefix + ".csv", rows)
     write_json(args.output_prefix + ".json", {"protocol": protocol.name, "baseline": names[0],
                                               "results": rows})
@@ -93,7 +117,8 @@ def significance(parser, args) -> None:
     baseline_score = marked[0].baseline_score
     plot_significance(names, [baseline_score] + [r.score for r in marked],
                       [None] + [None if r.ci_low is None else (r.ci_low, r.ci_high) for r in marked],
-                      [""] + [r.mark for r in marked], protocol.metric.upper(), mark_method,
+                      [""] + [significance_mark(adjusted[(r.system, r.method)]) if adjusted else r.mark
+                              for r in marked], protocol.metric.upper(), mark_method,
                       args.output_prefix + ".png")
 
 

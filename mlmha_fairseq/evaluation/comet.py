@@ -20,6 +20,7 @@ scripts/setup_venv.sh``; docs/evaluation.md, "COMET").
 import functools
 import logging
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -87,6 +88,63 @@ class Comet:
             prediction = self.model.predict(samples, batch_size=self.batch_size,
                                             gpus=1 if torch.cuda.is_available() else 0, progress_bar=False)
         return CometScore(100.0 * prediction.system_score, list(prediction.scores))
+
+
+HUB_FOLDER = re.compile(r"^models--([^/]+?)--([^/]+)$")  # the Hugging Face cache's name of a model repository
+
+
+def comet_model_name(directory: str) -> str:
+    """The model a COMET folder holds, as papers should name it (Zouhar et al. 2024, "Pitfalls
+    and Outlooks in Using COMET"): ``Unbabel/wmt22-comet-da`` for a snapshot in the Hugging Face
+    cache (``.../models--Unbabel--wmt22-comet-da/snapshots/<hash>``), else the folder's name."""
+    parts = os.path.normpath(os.path.abspath(directory)).split(os.sep)
+    for part in reversed(parts):
+        match = HUB_FOLDER.match(part)
+        if match:
+            return f"{match.group(1)}/{match.group(2)}"
+    return parts[-1]
+
+
+def comet_signature(directory: str, precision: str = "fp32", references: int = 1) -> str:
+    """SacreCOMET's signature of a COMET score (Zouhar et al. 2024):
+    ``Python<version>|Comet<version>|<precision>|<model>|r<references>``, e.g.
+    ``Python3.11.9|Comet2.2.7|fp32|Unbabel/wmt22-comet-da|r1``. Written here in the format its
+    ``sacrecomet`` command prints rather than through the package (sacrecomet 1.0.1 on PyPI): that
+    is an interactive command (it asks for what is not on its command line with ``input()``),
+    exits the process when unbabel-comet is missing, and installs a top-level module named
+    ``papers``. The package scores in fp32 (COMET's ``predict`` default) with one reference."""
+    import sys
+
+    try:
+        import comet
+
+        version = comet.__version__
+    except ImportError:
+        version = "(not installed)"
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"Python{python}|Comet{version}|{precision}|{comet_model_name(directory)}|r{references}"
+
+
+YEAR = re.compile(r"\d+")
+
+
+def thresholds_metric(directory: str) -> Optional[str]:
+    """mt_thresholds' name of the COMET model in ``directory`` (Kocmi et al. 2024: ``comet22``
+    for wmt22-comet-da, ``comet20``, ``cometkiwi22``, ``xcometXL``...), found as mt_thresholds'
+    own command line normalizes a model name (its ``cmd_entry``, which no function exposes);
+    None for a model it has no thresholds for."""
+    import mt_thresholds
+
+    name = comet_model_name(directory).split("/")[-1].lower().strip().replace("-", "")
+    known = {metric.lower(): metric for metric in mt_thresholds.METRICS}
+    if name not in known and "comet" in name:
+        name = name.replace("da", "").replace("wmt", "")
+        year = YEAR.match(name)
+        if year:
+            name = name[:year.start()] + name[year.end():] + year.group()
+        if "qe" in name:
+            name = name.replace("qe", "") + "qe"
+    return known.get(name)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,12 +1,13 @@
 """The experiment runner's TOML file: every key and value checked before anything runs."""
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.corpora import POSTPROCESS, Corpus
 from mlmha_fairseq.experiments.slurm import SlurmLauncher
 from mlmha_fairseq.experiments.grid import METRICS, MODEL, TOKEN_BATCHES, Batching, Convergence, Settings, slug
+from mlmha_fairseq.experiments.matching import MATCHED_BY
 from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES, System, lookup, multi_source_system
 
 
@@ -63,6 +64,10 @@ SCHEMA = {
     "corpus": (lambda v: isinstance(v, dict), "a table ([corpus])"),
     "convergence": (lambda v: isinstance(v, dict), "a table ([convergence])"),
     "launcher": (lambda v: isinstance(v, dict), "a table ([launcher]: Slurm)"),
+    "matched": (lambda v: isinstance(v, bool) or _texts(v),
+                "true (every system but the baseline) or a list of system names: each gets a budget-matched "
+                "baseline"),
+    "matched_by": (lambda v: v in MATCHED_BY, f"one of {', '.join(MATCHED_BY)} (how a matched baseline grows)"),
 }
 LAUNCHER_SCHEMA = {
     "partition": (lambda v: _text(v) and _plain(v), "a Slurm partition (no control characters)"),
@@ -171,6 +176,8 @@ class Experiment:
     settings: Dict
     baseline: str
     launcher: Optional[SlurmLauncher] = None  # None: on this machine
+    matched: List[str] = field(default_factory=list)  # systems that get a budget-matched baseline
+    matched_by: str = "ffn"  # how (experiments/matching.py)
 
 
 def load_config(path: str) -> Experiment:
@@ -205,6 +212,7 @@ def load_config(path: str) -> Experiment:
     if baseline not in names:
         raise UsageError(f"{path}: baseline {baseline!r} is not one of the systems {names}")
     systems.sort(key=lambda system: system.name != baseline)  # the baseline first
+    matched = matched_from(config, names, baseline, path)
     convergence = config.get("convergence")
     if convergence is not None:
         check_table(convergence, CONVERGENCE_SCHEMA, f"{path}: [convergence]")
@@ -224,7 +232,33 @@ def load_config(path: str) -> Experiment:
         raise UsageError(f"{path}: [corpus] give raw or data_bin, not both")
     return Experiment(systems, seeds_from(config.get("seeds", 1), path),
                       config.get("work_dir", f"work-{os.path.splitext(os.path.basename(path))[0]}"),
-                      corpus, config, baseline, launcher)
+                      corpus, config, baseline, launcher, matched, config.get("matched_by", "ffn"))
+
+
+def matched_from(config: Dict, names: List[str], baseline: str, path: str) -> List[str]:
+    """The systems of ``matched`` (registry keys resolved to their names): every system but
+    the baseline for ``true``; one line naming a system that is not in the grid, or the baseline."""
+    value = config.get("matched", False)
+    if "matched_by" in config and not value:
+        raise UsageError(f"{path}: matched_by needs matched (true, or the systems to match)")
+    if value is True:
+        return [name for name in names if name != baseline]
+    if value is False:
+        return []
+    chosen = []
+    for name in value:
+        if name not in names:
+            try:
+                name = lookup(name).name
+            except KeyError:
+                pass
+        if name not in names:
+            raise UsageError(f"{path}: matched names {name!r}, which is not one of the systems {names}")
+        if name == baseline:
+            raise UsageError(f"{path}: matched names the baseline {baseline!r}, which is what the others are "
+                             "matched with")
+        chosen.append(name)
+    return chosen
 
 
 def settings_from(experiment: Experiment, corpus: Corpus, max_update: Optional[int]) -> Settings:

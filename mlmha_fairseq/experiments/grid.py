@@ -291,6 +291,35 @@ def attempt_progress(log_path: str) -> Tuple[int, int]:
     return int(first), max(int(first), _last_logged_update(logged))
 
 
+PARAMS_LINE = re.compile(r"num\. shared model params: ([\d,]+)")  # fairseq_cli.train's count
+DONE_LINE = re.compile(r"done training in ([\d.]+) seconds")
+WALL = re.compile(r"(?<![\w])wall\"?[=:\s\"]+([\d.]+)")  # json ("wall": "18") and simple (wall=18) formats
+INNER_WPS = re.compile(r"(?<![\w])wps\"?[=:\s\"]+([\d.]+)")  # per log interval, not the epoch's train_wps
+EPOCH_WPS = re.compile(r"train_wps\"?[=:\s\"]+([\d.]+)")
+
+
+def training_costs(log_path: str) -> Dict[str, Optional[float]]:
+    """What a run's training log says of its cost, the tables' columns (``COST_COLUMNS`` of
+    :mod:`mlmha_fairseq.evaluation.replicates`): ``params``, the trained parameters fairseq-train
+    counts (``num. shared model params``); ``train time (s)``, its ``done training in`` seconds
+    summed over the run's attempts (an attempt the runner stopped at convergence, or that was
+    killed, counts its last logged ``wall``); ``tokens/s``, fairseq's ``wps`` (target tokens per
+    second) averaged over the log intervals, or over the epochs when no interval was logged
+    (a run shorter than ``--log-interval``). None for what the log does not hold."""
+    text = log_text(log_path)
+    params = PARAMS_LINE.findall(text)
+    seconds = []
+    for attempt in text.split(ATTEMPT):
+        done = DONE_LINE.findall(attempt)
+        wall = WALL.findall(attempt)
+        if done or wall:
+            seconds.append(float(done[-1]) if done else float(wall[-1]))
+    speeds = [float(value) for value in INNER_WPS.findall(text)] or [float(v) for v in EPOCH_WPS.findall(text)]
+    return {"params": float(params[-1].replace(",", "")) if params else None,
+            "train time (s)": sum(seconds) if seconds else None,
+            "tokens/s": sum(speeds) / len(speeds) if speeds else None}
+
+
 def usable_last_checkpoint(run: Run) -> int:
     """Before a resume: the number of updates ``checkpoint_last.pt`` holds (0: none).
 
@@ -645,6 +674,14 @@ class Grid:
                 logger.error("%s: FAILED: %s", run.name, failure)
                 return [(run, str(failure).splitlines()[0])]
         return []
+
+    def costs(self) -> Dict[str, Dict[int, Dict[str, Optional[float]]]]:
+        """{system: {seed: :func:`training_costs`}} of the finished runs."""
+        costs: Dict[str, Dict[int, Dict[str, Optional[float]]]] = {}
+        for run in self.runs:
+            if run.finished:
+                costs.setdefault(run.system.name, {})[run.seed] = training_costs(run.path("logs", "train.log"))
+        return costs
 
     def hypotheses(self) -> List[Tuple[str, Dict[int, List[str]]]]:
         """[(system, {seed: hypotheses})] of the finished runs, in the grid's order."""

@@ -15,11 +15,12 @@ from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
 from mlmha_fairseq.evaluation.replicates import REPORT_EXTENSIONS
 from mlmha_fairseq.evaluation.text_io import check_same_length, read_lines
-from mlmha_fairseq.experiments.config import Experiment, load_config, seeds_from, settings_from
+from mlmha_fairseq.experiments.config import Experiment, check_run_folders, load_config, seeds_from, settings_from
 from mlmha_fairseq.experiments.corpora import Corpus, check_corpus, prepare_corpus
 from mlmha_fairseq.experiments import records, slurm
 from mlmha_fairseq.experiments.curves import CURVE_REPORT_EXTENSIONS, write_curve_report
 from mlmha_fairseq.experiments.grid import Grid, check_run_settings, minutes, report_failures
+from mlmha_fairseq.experiments.matching import matched_systems
 from mlmha_fairseq.output_files import check_output_folder, exclusive_folder
 
 logger = logging.getLogger("mlmha_fairseq.experiment")
@@ -101,9 +102,14 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     corpus = prepare_corpus(experiment.corpus, work_dir, args.rebuild_corpus)
     settings = settings_from(experiment, corpus, args.max_update)
     references = read_lines(corpus.references)
-    grid = Grid(experiment.systems, experiment.seeds, settings, work_dir)
+    systems, matched = experiment.systems, {}
+    if experiment.matched:  # counted with the corpus's dictionaries: their size is part of the count
+        systems, matched, _counts = matched_systems(experiment.systems, experiment.baseline, experiment.matched,
+                                                    settings, experiment.matched_by)
+        check_run_folders([system.name for system in systems], args.config)
+    grid = Grid(systems, experiment.seeds, settings, work_dir)
     check_run_settings(grid.runs, settings, references)
-    logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(experiment.systems), len(experiment.seeds),
+    logger.info("%d systems x %d seeds = %d runs, %s, in %s", len(systems), len(experiment.seeds),
                 len(grid.runs), settings.budget, work_dir)
     if args.records:
         restored = records.restore(grid.runs, args.records, corpus.references)
@@ -129,12 +135,13 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
     if args.records and (args.report_only or experiment.launcher):  # no local execution recorded them
         logger.info("%d finished run(s) recorded in %s", records.save(grid.runs, args.records, corpus.references),
                     args.records)
-    systems = grid.hypotheses()
-    tabled = bool(systems) and systems[0][0] == experiment.baseline
+    finished = grid.hypotheses()
+    tabled = bool(finished) and finished[0][0] == experiment.baseline
     if tabled:
         comet = load_comet(args.comet_model)
-        report = build_report(systems, [references], ReplicateOptions(args.bootstrap_samples, args.ar_trials),
-                              comet=comet, sources=comet_sources(experiment.corpus, corpus) if comet else None)
+        report = build_report(finished, [references], ReplicateOptions(args.bootstrap_samples, args.ar_trials),
+                              comet=comet, sources=comet_sources(experiment.corpus, corpus) if comet else None,
+                              matched=matched, costs=grid.costs())
         table = write_report(report, os.path.join(work_dir, "results"), settings.budget,
                              os.path.basename(args.config))
         print("\n" + table)
