@@ -15,6 +15,7 @@ from fairseq import options, tasks
 from fairseq.data import Dictionary
 from fairseq.sequence_generator import SequenceGenerator
 
+import fairseq_launcher
 import mlmha_fairseq
 
 USER_DIR = os.path.dirname(mlmha_fairseq.__file__)
@@ -45,7 +46,8 @@ def write_reversal_corpus(directory: Path, sizes=(("train", 300), ("valid", 16),
 
 def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, module=None, python=None):
     """Run ``fairseq-<tool>`` (as ``python -m fairseq_cli.<tool>``, or ``module`` that stands
-    in for it; ``python``: the interpreter's command, default this one) and return the result.
+    in for it; ``python``: the interpreter's command, default this one, whose runs
+    :mod:`fairseq_launcher` forks) and return the result.
 
     One intra-op thread: tiny models gain nothing from more, and test processes share cores.
 
@@ -56,11 +58,12 @@ def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, mo
     training that logged "done training" before the abort has written its checkpoints and is
     not rerun: the rerun would resume from them and train past --max-update."""
     for _attempt in range(2):
-        result = subprocess.run(
-            [*(python or [sys.executable]), "-m", module or f"fairseq_cli.{tool}", *map(str, args)],
-            capture_output=True, text=True, cwd=cwd, input=input,
-            env={"OMP_NUM_THREADS": "1", **(env or os.environ)},
-        )
+        command, env = [module or f"fairseq_cli.{tool}", *map(str, args)], {"OMP_NUM_THREADS": "1", **(env or os.environ)}
+        if python is None:  # this interpreter: forked from one that has imported torch and fairseq
+            result = fairseq_launcher.run_module(command[0], command[1:], env=env, cwd=cwd, input=input)
+        else:
+            result = subprocess.run([*python, "-m", *command], capture_output=True, text=True, cwd=cwd,
+                                    input=input, env=env)
         if not (result.returncode == -signal.SIGABRT
                 and result.stderr.rstrip().endswith("terminate called without an active exception")):
             break
