@@ -1,7 +1,8 @@
 """Round trips that can fail: every architecture of the package learns the toy reversal task.
 
 For each architecture, fairseq-train runs a fixed number of updates (one training shared by
-the tests of this file, a module-scoped fixture); then
+the tests of this file, a module-scoped fixture; presets that build the same model at this
+file's size share one); then
 * its teacher-forced next-token accuracy on the test split is above a stated value, far above
   what a decoder that ignores its source can reach (the words of a sentence are drawn
   uniformly from 24, so without the source they are guesses: about 1 in 24, the end of
@@ -16,7 +17,7 @@ the tests of this file, a module-scoped fixture); then
 import pytest
 import sacrebleu
 import torch
-from fairseq import checkpoint_utils
+from fairseq import checkpoint_utils, options
 from fairseq.models import ARCH_MODEL_NAME_REGISTRY, ARCH_MODEL_REGISTRY
 
 from fairseq_helpers import generate, hypotheses_and_references, run_fairseq, USER_DIR
@@ -56,7 +57,37 @@ def training_options(arch):
     return JOINT_LOSS if ARCH_MODEL_NAME_REGISTRY[arch] == "ms_transformer" else []
 
 
-@pytest.fixture(scope="module", params=PACKAGE_ARCHS)
+def configuration(arch):
+    """The model and options fairseq-train builds for ``arch`` in this file's trainings, but
+    the architecture's name: two presets that differ only in what MODEL_ARGS overrides (the
+    ``*_iwslt`` and ``*_wmt_en_de`` sizes) train the same model."""
+    argv = ["data", "--user-dir", USER_DIR, "--arch", arch, *MODEL_ARGS, *training_options(arch)]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    return ARCH_MODEL_NAME_REGISTRY[arch], sorted((k, repr(v)) for k, v in vars(args).items() if k != "arch")
+
+
+def distinct_configurations(archs):
+    """One architecture per distinct :func:`configuration`: {trained one: all it stands for}."""
+    groups = {}
+    for arch in archs:
+        groups.setdefault(repr(configuration(arch)), []).append(arch)
+    return {group[0]: group for group in groups.values()}
+
+
+TRAINED = distinct_configurations(PACKAGE_ARCHS)
+
+
+def test_the_trainings_stand_for_every_architecture_and_differ():
+    """Every architecture of the package is trained or has the configuration of one that is;
+    no two trainings build the same configuration, and the presets that set more than sizes
+    (MLMHA's variants, post-norm) are trained on their own."""
+    assert sorted(arch for group in TRAINED.values() for arch in group) == PACKAGE_ARCHS
+    assert len({repr(configuration(arch)) for arch in TRAINED}) == len(TRAINED)
+    assert {"mlmha_transformer_iwslt", "mlmha_transformer_wmt_en_de", "mlmha_transformer_iwslt_post_norm",
+            "ms_transformer_iwslt", "ms_transformer_iwslt_post_norm"} <= set(TRAINED)
+
+
+@pytest.fixture(scope="module", params=list(TRAINED), ids=["=".join(group) for group in TRAINED.values()])
 def trained(request, data_bin, tmp_path_factory):
     """(arch, checkpoint) after UPDATES updates of fairseq-train."""
     arch = request.param
