@@ -56,7 +56,8 @@ def _child(module, argv, env, cwd, stdin_path, stdout_path, stderr_path):
     sys.stderr = open(2, "w", closefd=False)
     import torch
 
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
     # as a new interpreter has it: no logging configured (the tools' basicConfig then applies),
     # and argv[0] the module's file (argparse's prog, the plugin's one-line errors)
     for handler in list(logging.root.handlers):
