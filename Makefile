@@ -5,6 +5,8 @@
 #   make mutation  mutation testing of the mechanism code (hours on 2 cores; not in CI;
 #                  docs/testing.md), e.g. make mutation MUTANTS='mlmha_fairseq.modules.dual_contextual*'
 #   make experiment   a grid of systems x seeds from a TOML file (EXPERIMENT=...)
+#   make compat   the fast tier on another Python x torch (PYTHON=python3.13 TORCH_SPEC=torch==2.15.0;
+#                 its own environment under .compat/, one line in docs/compat.tsv; not in CI)
 #   make results   rebuild RESULTS.md's tables from the run records in docs/experiment (no training)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,7 +20,7 @@ MUTANTS ?=
 EXPERIMENT ?= examples/experiment/demo.toml
 EXPERIMENT_ARGS ?=
 
-.PHONY: venv test demo experiment results mutation security clean-venv
+.PHONY: venv test demo experiment results mutation security compat clean-venv
 
 venv: $(STAMP)
 
@@ -69,6 +71,11 @@ results: $(STAMP)
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-document-lr-fixed.toml --seeds 2-2 --work-dir $(RESULTS_WORK)/convergence-mlrf-document-lr-fixed --records docs/experiment/convergence-mlrf-document-lr-fixed/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/gpu-d128-dc.toml --work-dir $(RESULTS_WORK)/gpu-d128-dc --records docs/experiment/gpu-base/enc-dc/d128/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/gpu-base-dc-10k.toml --work-dir $(RESULTS_WORK)/gpu-base-dc-10k --records docs/experiment/gpu-base/enc-dc/10k/runs --report-only
+
+# PYTHON and TORCH_SPEC choose the combination (default: python3.11, torch==2.13.0), e.g.
+# PYTHON=/root/.pyenv/versions/3.13.0/bin/python3.13 TORCH_SPEC=torch==2.15.0 make compat
+compat:
+	bash scripts/compat.sh
 
 clean-venv:
 	rm -rf $(VENV)
