@@ -6,15 +6,15 @@ most of what a tiny model's train or generate run costs, and the suite runs hund
 The tools still run as they do from a shell: a new process (forked from multiprocessing's
 forkserver, which imports but never computes, so no thread pool is forked), fairseq's own
 ``__main__`` through ``runpy``, the test's argv, working directory and environment, its
-stdin, stdout and stderr on file descriptors 0-2, and the exit status an interpreter would give
-(an uncaught exception goes through ``sys.excepthook``, which the plugin replaces for its
-one-line errors, then status 1). What is not the same: interpreter-exit handlers (``atexit``)
-do not run, since multiprocessing ends its children with ``os._exit``.
+stdin, stdout and stderr on file descriptors 0-2, the exit handlers (``atexit``) run, and the exit status an
+interpreter would give (an uncaught exception goes through ``sys.excepthook``, which the plugin
+replaces for its one-line errors, then status 1).
 
 This module imports nothing of the package: the plugin decides at import whether it runs
 inside a fairseq command (``mlmha_fairseq.errors.running_fairseq_command``), which only the
 child, with its argv set, can answer.
 """
+import atexit
 import importlib.util
 import logging
 import multiprocessing
@@ -58,8 +58,12 @@ def _child(module, argv, env, cwd, stdin_path, stdout_path, stderr_path):
 
     threads = env.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
-    # as a new interpreter has it: no logging configured (the tools' basicConfig then applies),
-    # and argv[0] the module's file (argparse's prog, the plugin's one-line errors)
+    # as a new interpreter has it: multiprocessing's default start method (multiprocessing made
+    # it "forkserver" in this child; fairseq's DataLoader workers started that way would outlive
+    # the tool, since they watch for their parent's exit and the server lives on), no logging
+    # configured (the tools' basicConfig then applies), and argv[0] the module's file
+    # (argparse's prog, the plugin's one-line errors)
+    multiprocessing.set_start_method(None, force=True)
     for handler in list(logging.root.handlers):
         logging.root.removeHandler(handler)
     logging.root.setLevel(logging.WARNING)
@@ -73,6 +77,7 @@ def _child(module, argv, env, cwd, stdin_path, stdout_path, stderr_path):
         sys.excepthook(*sys.exc_info())
         code = 1
     finally:
+        atexit._run_exitfuncs()  # as at interpreter exit (DataLoader workers, torch's handlers)
         sys.stdout.flush()
         sys.stderr.flush()
     if code is None:
