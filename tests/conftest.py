@@ -18,21 +18,10 @@ CLI_FIXTURES = {"data_bin", "n_way_bin"}
 EXHAUSTIVE = os.environ.get("MLMHA_EXHAUSTIVE") == "1"
 
 
-# The files that take longest (most of their time is fairseq's and the runner's trainings), run
-# first: pytest-xdist hands whole files to its workers in collection order (`make test`'s
-# --dist loadfile), and a long file handed out last leaves the other worker idle meanwhile.
-LONGEST_FIRST = ("test_learning.py", "test_experiment.py", "test_demo.py", "test_experiment_records.py",
-                 "test_experiment_curves.py", "test_experiment_slurm.py", "test_experiment_matched.py",
-                 "test_experiment_corpora.py", "test_joint_attention.py")
-
-
 def pytest_collection_modifyitems(items):
     """Tests that run fairseq's command-line tools on a binarized corpus get the ``cli``
     marker, so ``pytest -m "not cli"`` skips them (test tiers: docs/testing.md); the
-    ``exhaustive`` ones are skipped unless MLMHA_EXHAUSTIVE=1 (``make security``). The files
-    of LONGEST_FIRST go first, in that order; the others keep theirs."""
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
+    ``exhaustive`` ones are skipped unless MLMHA_EXHAUSTIVE=1 (``make security``)."""
     skip = pytest.mark.skip(reason="exhaustive sweep: make security (MLMHA_EXHAUSTIVE=1)")
     for item in items:
         if CLI_FIXTURES & set(getattr(item, "fixturenames", ())):
