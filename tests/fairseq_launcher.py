@@ -67,6 +67,7 @@ def _child(module, argv, env, cwd, stdin_path, stdout_path, stderr_path):
     for handler in list(logging.root.handlers):
         logging.root.removeHandler(handler)
     logging.root.setLevel(logging.WARNING)
+    sys.path.insert(0, os.getcwd())  # as `python -m` puts the current directory first
     sys.argv = [importlib.util.find_spec(module).origin, *argv]
     code = 0
     try:
