@@ -203,12 +203,7 @@ def load_config(path: str) -> Experiment:
     if repeated:
         raise UsageError(f"{path}: system(s) {repeated} listed more than once")
     check_run_folders(names, path)
-    baseline = config.get("baseline", names[0])
-    if baseline not in names:
-        try:
-            baseline = lookup(baseline).name
-        except KeyError:
-            pass
+    baseline = grid_name(config.get("baseline", names[0]), names)
     if baseline not in names:
         raise UsageError(f"{path}: baseline {baseline!r} is not one of the systems {names}")
     systems.sort(key=lambda system: system.name != baseline)  # the baseline first
@@ -235,6 +230,17 @@ def load_config(path: str) -> Experiment:
                       corpus, config, baseline, launcher, matched, config.get("matched_by", "ffn"))
 
 
+def grid_name(name: str, names: List[str]) -> str:
+    """``name`` as the grid calls it: itself if a system of ``names`` has it, else the name of the
+    registered system it is a key of (left as it is if it is neither)."""
+    if name in names:
+        return name
+    try:
+        return lookup(name).name
+    except KeyError:
+        return name
+
+
 def matched_from(config: Dict, names: List[str], baseline: str, path: str) -> List[str]:
     """The systems of ``matched`` (registry keys resolved to their names): every system but
     the baseline for ``true``; one line naming a system that is not in the grid, or the baseline."""
@@ -247,11 +253,7 @@ def matched_from(config: Dict, names: List[str], baseline: str, path: str) -> Li
         return []
     chosen = []
     for name in value:
-        if name not in names:
-            try:
-                name = lookup(name).name
-            except KeyError:
-                pass
+        name = grid_name(name, names)
         if name not in names:
             raise UsageError(f"{path}: matched names {name!r}, which is not one of the systems {names}")
         if name == baseline:
