@@ -1,5 +1,6 @@
 """Shared test helpers: a tiny synthetic corpus, fairseq command-line runs, and models
 built in Python from fairseq's own argument parser."""
+import json
 import os
 import random
 import re
@@ -274,3 +275,14 @@ def assert_beam_search_scores_match_full(model, dictionary, monkeypatch, beam_si
                 lprobs = model.get_normalized_probs((logits, None), log_probs=True)[0]
                 expected = lprobs.gather(-1, tokens[:, None]).squeeze(-1)
                 torch.testing.assert_close(hypothesis["positional_scores"], expected, atol=1e-4, rtol=0)
+
+
+def results_rows(work):
+    """The experiment runner's results.json rows: every score of every seed, s_sel, the p-values and the parameter
+    counts; the training time and speed, which no two runs share, are checked to be measured."""
+    rows = json.loads((work / "results.json").read_text())["systems"]
+    for row in rows:
+        costs = row["costs"]
+        assert all(value > 0 for value in costs.pop("train time (s)") + costs.pop("tokens/s"))
+        assert all(count > 0 for count in costs["params"])
+    return rows

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from fairseq_helpers import run_fairseq
+from fairseq_helpers import results_rows, run_fairseq
 from fixtures.tiny_bible import BPE_MERGES
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.errors import UsageError
@@ -37,17 +37,6 @@ def grid(tmp_path, name, corpus_lines):
     return config
 
 
-def table(work):
-    """The results' rows: every score of every seed, s_sel, the p-values and the parameter
-    counts; the training time and speed, which no two runs share, are checked to be measured."""
-    rows = json.loads((work / "results.json").read_text())["systems"]
-    for row in rows:
-        costs = row["costs"]
-        assert all(value > 0 for value in costs.pop("train time (s)") + costs.pop("tokens/s"))
-        assert all(count > 0 for count in costs["params"])
-    return rows
-
-
 def test_raw_text_and_a_fairseq_data_bin_of_it_give_the_same_table(tmp_path, raw_text):
     built = tmp_path / "built"
     raw = grid(tmp_path, "raw", [f'raw = "{raw_text}"', 'sources = ["fr"]', 'target = "en"', f'dir = "{built}"',
@@ -65,7 +54,7 @@ def test_raw_text_and_a_fairseq_data_bin_of_it_give_the_same_table(tmp_path, raw
     binarized = grid(tmp_path, "bin", [f'data_bin = "{data_bin}"', 'sources = ["fr"]', 'target = "en"',
                                        f'test_references = "{raw_text / "test.en"}"'])
     assert experiment.main([str(binarized), *ARGS]) == 0
-    assert table(tmp_path / "raw") == table(tmp_path / "bin")
+    assert results_rows(tmp_path / "raw") == results_rows(tmp_path / "bin")
 
     # a rerun keeps the built corpus
     before = (built / "manifest.json").stat().st_mtime_ns

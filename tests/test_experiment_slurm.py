@@ -1,13 +1,13 @@
 """The experiment runner on a real Slurm cluster (scripts/start_slurm.sh starts a one-node one
 as root; CI does), through submitit: a 2 x 2 grid submitted as jobs, one job cancelled with
 scancel, the runner started again resubmits it and collects all; the table equals a local run's."""
-import json
 import shutil
 import subprocess
 import time
 
 import pytest
 
+from fairseq_helpers import results_rows
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.experiments.slurm import JOB_FILE, queued_or_running
 
@@ -59,15 +59,6 @@ def test_a_grid_through_slurm_with_a_cancelled_job_resubmitted_equals_a_local_ru
     local = tmp_path / "local.toml"
     local.write_text(GRID.format(work=local_work, corpus=corpus, launcher=""))
     assert experiment.main([str(local), *ARGS, "--jobs", "2", "--threads", "1"]) == 0
-    assert table(slurm_work) == table(local_work)
+    assert results_rows(slurm_work) == results_rows(local_work)
 
 
-def table(work):
-    """The results' rows: every score of every seed, s_sel, the p-values and the parameter
-    counts; the training time and speed, which no two runs share, are checked to be measured."""
-    rows = json.loads((work / "results.json").read_text())["systems"]
-    for row in rows:
-        costs = row["costs"]
-        assert all(value > 0 for value in costs.pop("train time (s)") + costs.pop("tokens/s"))
-        assert all(count > 0 for count in costs["params"])
-    return rows
