@@ -962,3 +962,11 @@ def test_a_stage_module_may_not_take_an_attribute_the_layer_already_has():
         keep_stage_module(layer, clash)
     assert keep_stage_module(layer, Shift()) == "shift" and isinstance(layer.shift, Shift)
     assert keep_stage_module(layer, None) is None
+
+
+def test_the_staged_layers_are_importable_from_the_slot_transformer_module_as_before():
+    """They have their own module now; the module path they had is public interface."""
+    from mlmha_fairseq.models import slot_transformer, staged_layers
+
+    for name in ("SlotTransformerEncoderLayer", "SlotTransformerDecoderLayer", "LayerInput", "keep_stage_module"):
+        assert getattr(slot_transformer, name) is getattr(staged_layers, name)
