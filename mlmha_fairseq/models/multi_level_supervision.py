@@ -319,6 +319,17 @@ class MultiLevelSupervisionDecoder(SlotTransformerDecoder):
         return x, extra
 
 
+def main_decoder_class(model, cfg):
+    """The decoder class of ``model``, a slot model class offering multi-level supervision, for
+    its options ``cfg``: :class:`MultiLevelSupervisionDecoder` when they give auxiliary decoders,
+    else the model's ``decoder_class``. That is MultiLevelSupervisionDecoder in
+    ``ms_transformer``, so that its decoder keeps one interface without auxiliary decoders
+    (``aux_decoders``, ``extra["aux_out"]``, ``--decode-from`` checked), as after
+    ``strip_aux_decoders``; the slot decoder in the multi-source model, which without them is
+    the model of before it offered them. Either class gives the same parameter names."""
+    return MultiLevelSupervisionDecoder if has_aux_decoders(cfg) else model.decoder_class
+
+
 @register_model("ms_transformer")
 class MultiLevelSupervisionModel(SlotTransformerModel):
     """The slot Transformer with encoder-based multi-level supervision (Ampomah, thesis
@@ -326,6 +337,7 @@ class MultiLevelSupervisionModel(SlotTransformerModel):
     :mod:`mlmha_fairseq.models.multi_level_supervision`."""
 
     decoder_class = MultiLevelSupervisionDecoder
+    decoder_class_for = classmethod(main_decoder_class)
 
     @classmethod
     def add_args(cls, parser):

@@ -86,21 +86,10 @@ from ..modules.input_combination import (
 )
 from ..errors import UsageError
 from ..source_kinds import IMAGE, TEXT, SourceLayout
-from .multi_level_supervision import (
-    MULTI_LEVEL_SUPERVISION,
-    NO_AUX,
-    MultiLevelSupervisionDecoder,
-    has_aux_decoders,
-)
+from .multi_level_supervision import MULTI_LEVEL_SUPERVISION, NO_AUX, main_decoder_class
 from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .presets import set_sizes
-from .slot_transformer import (
-    ENCODER_OUT,
-    SlotTransformerDecoder,
-    SlotTransformerEncoder,
-    SlotTransformerModel,
-    slot_transformer,
-)
+from .slot_transformer import ENCODER_OUT, SlotTransformerEncoder, SlotTransformerModel, slot_transformer
 from .slots import DECODER_CROSS_ATTENTION_SUBLAYER
 
 MASKS_KEY = "multi_source_padding_masks"  # encoder_out entry: one B x S_k mask per source
@@ -270,6 +259,7 @@ class MultiSourceTransformerModel(SlotTransformerModel):
     """Multi-source Transformer (Libovický et al., WMT 2018); see the module docstring."""
 
     is_multi_source = True  # checked by the multi_source_translation task
+    decoder_class_for = classmethod(main_decoder_class)
 
     @classmethod
     def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".",
@@ -336,9 +326,8 @@ class MultiSourceTransformerModel(SlotTransformerModel):
             encoders.append(SlotTransformerEncoder(cfg, dictionary, tokens,
                                                    reaches_decoder=k == sources.primary_index))
         encoder = MultiSourceEncoder(dictionary, encoders, sources)
-        decoder_class = MultiLevelSupervisionDecoder if has_aux_decoders(args) else SlotTransformerDecoder
-        decoder = decoder_class(cfg, dictionary, decoder_tokens, encoder_extras=source_extras,
-                                layer_context=dict(sources=sources, combination=combination))
+        decoder = cls.build_decoder(cfg, dictionary, decoder_tokens, encoder_extras=source_extras,
+                                    layer_context=dict(sources=sources, combination=combination))
         return cls(args, encoder, decoder)
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):

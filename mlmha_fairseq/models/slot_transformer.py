@@ -375,7 +375,8 @@ def _warn_about_other_options(model, state_dict, prefix, local_metadata, *args):
 class SlotTransformerModel(TransformerModel):
     """fairseq's transformer (Vaswani et al., 2017) with slots for this package's
     mechanisms; see :mod:`mlmha_fairseq.models.slot_transformer`. Subclasses that need
-    another decoder set ``decoder_class``."""
+    another decoder set ``decoder_class``, or override :meth:`decoder_class_for` when their
+    options choose it."""
 
     decoder_class = SlotTransformerDecoder
 
@@ -427,9 +428,17 @@ class SlotTransformerModel(TransformerModel):
         return SlotTransformerEncoder(TransformerConfig.from_namespace(cfg), src_dict, embed_tokens)
 
     @classmethod
-    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+    def decoder_class_for(cls, cfg):
+        """The decoder's class for the model options ``cfg``."""
+        return cls.decoder_class
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens, **decoder_options):
+        """fairseq's; ``decoder_options``: further keywords of the decoder class (the
+        multi-source model's ``layer_context`` and ``encoder_extras``)."""
         cfg = TransformerConfig.from_namespace(cfg)
-        return cls.decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+        return cls.decoder_class_for(cfg)(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention,
+                                          **decoder_options)
 
 
 @register_architecture("slot_transformer", "slot_transformer")
