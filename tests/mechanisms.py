@@ -8,6 +8,7 @@ from fairseq_helpers import build_model, full_logits, random_batch
 
 from mlmha_fairseq.experiments.systems import SIZES, SYSTEMS, lookup
 from mlmha_fairseq.modules.multi_layer_attention import MultiLayerMultiheadAttention, parse_variant
+from mlmha_fairseq.modules.multi_layer_attention import VARIANTS  # noqa: F401  (the MLMHA tests of each variant)
 
 # The GPU tier: ``pytest -m cuda`` on a machine with a GPU; skipped, with this reason, elsewhere.
 CUDA_MARKS = [
@@ -17,7 +18,7 @@ CUDA_MARKS = [
 ]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
 HALF_TYPES = [torch.bfloat16, torch.float16]
-VARIANTS = ["M-00", "M-01", "M-10", "M-11"]
+
 
 def without_criterion(options):
     """A system's model options: a training criterion (the joint loss of multi-level

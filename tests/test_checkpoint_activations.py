@@ -17,6 +17,7 @@ from mechanisms import MECHANISMS
 from test_multi_source import build_multi_source, multi_source_batch
 
 import mlmha_fairseq  # noqa: F401  (registers the architectures)
+from mlmha_fairseq.modules.input_combination import SERIAL, STRATEGIES
 
 PACKAGE_ARCHS = sorted(arch for arch, model in ARCH_MODEL_REGISTRY.items()
                        if model.__module__.startswith("mlmha_fairseq."))
@@ -26,7 +27,7 @@ MULTI_SOURCE_ARCHS = [arch for arch in PACKAGE_ARCHS if getattr(ARCH_MODEL_REGIS
 CASES = {
     **{arch: [arch] for arch in PACKAGE_ARCHS},
     **{f"multi_source_transformer {strategy}": ["multi_source_transformer", "--combination-strategy", strategy]
-       for strategy in ("parallel", "flat", "hierarchical")},
+       for strategy in STRATEGIES if strategy != SERIAL},
     **MECHANISMS,
 }
 FLAGS = {"checkpoint": ["--checkpoint-activations"], "offload": ["--offload-activations"]}

@@ -32,6 +32,8 @@ from fixtures.tiny_fairseq import save_checkpoint
 from mechanisms import MECHANISMS
 from test_multi_source import n_way_bin  # noqa: F401  (the fixture: the N-way corpus with image features)
 
+from mlmha_fairseq.modules.input_combination import STRATEGIES
+
 MULTI_SOURCE_TASK = ["--task", "multi_source_translation", "--source-langs", "s1,s2,img",
                      "--target-lang", "tgt", "--image-sources", "img"]
 # name -> (data fixture, task options, architecture and model options)
@@ -39,7 +41,7 @@ CASES = {
     **{name: ("data_bin", [], options) for name, options in MECHANISMS.items()},
     **{f"multi_source {strategy}": ("n_way_bin", MULTI_SOURCE_TASK,
                                     ["multi_source_transformer", "--combination-strategy", strategy])
-       for strategy in ("serial", "parallel", "flat", "hierarchical")},
+       for strategy in STRATEGIES},
 }
 SEEDS = (1, 2)
 # Training long enough that the models emit no <s> (fairseq-generate's text leaves it out, so a

@@ -15,6 +15,7 @@ from fairseq.data import Dictionary
 
 from fairseq_helpers import (
     PRE_NORM,
+    TINY_MODEL_ARGS,
     USER_DIR,
     assert_incremental_matches_full,
     assert_round_trip,
@@ -27,6 +28,7 @@ from fairseq_helpers import (
 )
 from fixtures.tiny_fairseq import build_task_and_model, save_checkpoint, write_data_bin
 from mlmha_fairseq.cli import mlrf_hop_weights
+from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.models.representation_fusion import MLRF, _needs
 from mlmha_fairseq.modules.representation_fusion import (
     AverageFusion,
@@ -561,6 +563,21 @@ def test_unknown_fusion_function_is_refused_by_the_command_line(data_bin, tmp_pa
                                               "--mlrf-decoder-fusion", "max"), check=False)
     assert result.returncode == 2
     assert "argument --mlrf-decoder-fusion: invalid choice: 'max'" in result.stderr
+
+
+@pytest.mark.parametrize("side", ["encoder", "decoder"])
+def test_unknown_fusion_function_of_stored_arguments_is_refused_in_one_line(side):
+    """A checkpoint's arguments or --model-overrides reach the model without argparse's
+    choices: the parsed options refuse the value, naming the option."""
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "unused-data-dir", "--task", "translation", "--user-dir", USER_DIR, "--arch", "slot_transformer",
+        *TINY_MODEL_ARGS])
+    setattr(args, f"mlrf_{side}_fusion", "max")
+    dictionary = toy_dictionary()
+    task = tasks.translation.TranslationTask(args, dictionary, dictionary)
+    with pytest.raises(UsageError) as refused:
+        task.build_model(args)
+    assert str(refused.value) == f"--mlrf-{side}-fusion max: choose one of none, avg, fnn, sa"
 
 
 @pytest.mark.parametrize(

@@ -39,12 +39,12 @@ from mlmha_fairseq.experiments.grid import (
     slug,
 )
 from mlmha_fairseq.experiments.systems import DEMO_SYSTEMS as SYSTEMS
-from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES as STRATEGIES
 from mlmha_fairseq.experiments.systems import System, multi_source_system
 from mlmha_fairseq.evaluation.comet import checkpoint_path, load_comet
 from mlmha_fairseq.evaluation.replicates import REPORT_EXTENSIONS, ReplicateOptions, build_report, write_report
 from mlmha_fairseq.evaluation.scoring import corpus_score, resolve_protocol
 from mlmha_fairseq.evaluation.text_io import read_lines, write_json, write_text
+from mlmha_fairseq.modules.input_combination import SERIAL, STRATEGIES
 from mlmha_fairseq.errors import UsageError, lab_imports
 from mlmha_fairseq.output_files import check_output_file, check_output_folder
 
@@ -63,7 +63,7 @@ RESULTS_MD, RESULTS_JSON = "results.md", "results.json"
 def multi_source_systems(langs) -> List[System]:
     """The --full demo's second table: the multi-source Transformer with each combination
     strategy over ``langs``, against the same model given the demo's source alone."""
-    return [multi_source_system(f"{SOURCE} only", [SOURCE], "serial", TARGET)] + [
+    return [multi_source_system(f"{SOURCE} only", [SOURCE], SERIAL, TARGET)] + [
         multi_source_system(f"{'+'.join(langs)} {strategy}", langs, strategy, TARGET) for strategy in STRATEGIES
     ]
 

@@ -35,6 +35,7 @@ from mlmha_fairseq.evaluation.multi_source_attention import (
 )
 from mlmha_fairseq.evaluation.text_io import InputError, write_arrays, write_csv, write_json
 from mlmha_fairseq.models.multi_source import combination_modules
+from mlmha_fairseq.modules.input_combination import HIERARCHICAL
 
 PAPER_LAYER = 4  # [paper] Appendix A shows the "fourth layer" (1-based)
 
@@ -103,7 +104,7 @@ def dump(parser, args) -> None:
     names, kinds = task.source_names, task.source_kinds
     layer = _checked(args, len(dataset), len(model.decoder.layers))
     strategy = combination_modules(model)[0].strategy
-    hierarchical = strategy == "hierarchical"
+    hierarchical = strategy == HIERARCHICAL
     averaged = list(range(min(args.max_sentences or len(dataset), len(dataset)))) if hierarchical else []
     indices = sorted(set(averaged) | {k - 1 for k in args.lines})
     weights = _weights(model, dataset, indices, kinds, dictionary.pad(), args.batch_size)

@@ -14,8 +14,8 @@ import torch
 
 from mlmha_fairseq.evaluation.plotting import pyplot, save_figure
 from mlmha_fairseq.evaluation.text_io import InputError
-from mlmha_fairseq.models.representation_fusion import DECODER, ENCODER, LayerFusion
-from mlmha_fairseq.modules.representation_fusion import LayerAttention
+from mlmha_fairseq.models.representation_fusion import DECODER, ENCODER, FUSION_FLAG, LayerFusion
+from mlmha_fairseq.modules.representation_fusion import SA, LayerAttention
 
 SIDES = (DECODER, ENCODER)
 PANEL_INCHES_PER_TOKEN = 0.35
@@ -34,7 +34,7 @@ def fusion_of(model, side: str) -> LayerFusion:
     if fusion is None or not isinstance(
             getattr(fusion.fusion, "attention", None), LayerAttention):
         raise InputError(f"the model has no SA fusion on the {side} side "
-                         f"(trained with --mlrf-{side}-fusion sa?)")
+                         f"(trained with {FUSION_FLAG[side]} {SA}?)")
     return fusion
 
 

@@ -8,6 +8,14 @@ tables, e.g. ``MLMHA M-00``); :func:`lookup` accepts either.
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mlmha_fairseq.models.joint_attention import MULTI_LAYER, TRANSPARENT
+from mlmha_fairseq.models.layer_selection import ALL_LAYERS
+from mlmha_fairseq.models.mma import MIXED
+from mlmha_fairseq.models.representation_fusion import FNN, NONE, SA
+from mlmha_fairseq.modules.input_combination import STRATEGIES as MULTI_SOURCE_STRATEGIES  # noqa: F401  (experiments.config)
+from mlmha_fairseq.modules.layer_aggregation import C_AGG, ITER_C_AGG, ITER_S_AGG, S_AGG
+from mlmha_fairseq.modules.multi_layer_attention import M_00, VARIANTS
+
 
 QUICK, FULL = "quick", "full"  # in the demo's table always, or with --full only
 
@@ -59,7 +67,7 @@ class System:
         return self.demo == FULL
 
 
-MLMHA = ["--decoder-cross-attention", "multi-layer"]
+MLMHA = ["--decoder-cross-attention", MULTI_LAYER]
 JOINT_LOSS = ["--criterion", "multi_decoder_label_smoothed_cross_entropy"]
 
 # Every system of the package's tools, once, in the benchmark's order (the baseline first). A
@@ -69,35 +77,35 @@ SYSTEMS: List[System] = [
     System("Transformer (fairseq)", "transformer", key="transformer", demo=QUICK),
     System("slot_transformer", "slot_transformer", test_options=()),
     *(System(f"MLMHA {variant}", "slot_transformer", MLMHA + ["--mlmha-variant", variant], key=f"mlmha {variant}",
-             demo=QUICK if variant == "M-00" else FULL, test_options=())
-      for variant in ("M-00", "M-01", "M-10", "M-11")),
-    System("S-Agg", "slot_transformer", ["--layer-aggregation", "s-agg"], key="aggregation s-agg", demo=FULL,
+             demo=QUICK if variant == M_00 else FULL, test_options=())
+      for variant in VARIANTS),
+    System("S-Agg", "slot_transformer", ["--layer-aggregation", S_AGG], key=f"aggregation {S_AGG}", demo=FULL,
            test_options=()),
-    System("S-Agg (iterative)", "slot_transformer", ["--layer-aggregation", "iter-s-agg"],
-           key="aggregation iter-s-agg", test_options=()),
-    System("C-Agg", "slot_transformer", ["--layer-aggregation", "c-agg"], key="aggregation c-agg", test_options=()),
-    System("Iter-C-Agg", "slot_transformer", ["--layer-aggregation", "iter-c-agg"], key="aggregation iter-c-agg",
+    System("S-Agg (iterative)", "slot_transformer", ["--layer-aggregation", ITER_S_AGG],
+           key=f"aggregation {ITER_S_AGG}", test_options=()),
+    System("C-Agg", "slot_transformer", ["--layer-aggregation", C_AGG], key=f"aggregation {C_AGG}", test_options=()),
+    System("Iter-C-Agg", "slot_transformer", ["--layer-aggregation", ITER_C_AGG], key=f"aggregation {ITER_C_AGG}",
            demo=FULL, test_options=()),
-    System("Transparent Attention", "slot_transformer", ["--layer-aggregation", "transparent"],
-           key="aggregation transparent", demo=FULL, test_options=()),
+    System("Transparent Attention", "slot_transformer", ["--layer-aggregation", TRANSPARENT],
+           key=f"aggregation {TRANSPARENT}", demo=FULL, test_options=()),
     # dynamic linear combination of layers (Wang et al. 2019), encoder side
     System("DLCL", "slot_transformer", ["--dlcl-encoder"], key="dlcl", test_options=()),
-    System("MLRF Enc-FNN", "slot_transformer", ["--mlrf-encoder-fusion", "fnn", "--mlrf-decoder-fusion", "none"],
+    System("MLRF Enc-FNN", "slot_transformer", ["--mlrf-encoder-fusion", FNN, "--mlrf-decoder-fusion", NONE],
            key="mlrf Enc-FNN", test_options=()),
-    System("MLRF Dec-SA", "slot_transformer", ["--mlrf-encoder-fusion", "none", "--mlrf-decoder-fusion", "sa"],
+    System("MLRF Dec-SA", "slot_transformer", ["--mlrf-encoder-fusion", NONE, "--mlrf-decoder-fusion", SA],
            key="mlrf Dec-SA"),
     System("MLRF Dec-SA + indep. W1", "slot_transformer",
-           ["--mlrf-encoder-fusion", "none", "--mlrf-decoder-fusion", "sa", "--mlrf-indep-w1"],
+           ["--mlrf-encoder-fusion", NONE, "--mlrf-decoder-fusion", SA, "--mlrf-indep-w1"],
            key="mlrf Dec-SA + indep. W1", test_options=()),
-    System("MLRF Both-FNN-SA", "slot_transformer", ["--mlrf-encoder-fusion", "fnn", "--mlrf-decoder-fusion", "sa"],
+    System("MLRF Both-FNN-SA", "slot_transformer", ["--mlrf-encoder-fusion", FNN, "--mlrf-decoder-fusion", SA],
            key="mlrf Both-FNN-SA", demo=FULL),
     # H/4 heads each of G, L, F, B (the tests' model has 2 heads: 4 for one head of each type)
-    System("MMA", "slot_transformer", ["--encoder-self-attention", "mixed"], key="mma", demo=FULL,
+    System("MMA", "slot_transformer", ["--encoder-self-attention", MIXED], key="mma", demo=FULL,
            test_options=("--encoder-attention-heads", "4")),
     # Dual Contextual (thesis ch. 5, f = 2)
-    System("Enc-DC", "slot_transformer", ["--dc-encoder-layers", "all"], key="dc encoder", demo=FULL),
-    System("Dec-DC", "slot_transformer", ["--dc-decoder-layers", "all"], key="dc decoder"),
-    System("Full-DC", "slot_transformer", ["--dc-encoder-layers", "all", "--dc-decoder-layers", "all"],
+    System("Enc-DC", "slot_transformer", ["--dc-encoder-layers", ALL_LAYERS], key="dc encoder", demo=FULL),
+    System("Dec-DC", "slot_transformer", ["--dc-decoder-layers", ALL_LAYERS], key="dc decoder"),
+    System("Full-DC", "slot_transformer", ["--dc-encoder-layers", ALL_LAYERS, "--dc-decoder-layers", ALL_LAYERS],
            key="dc full", test_options=()),
     # multi-level supervision (thesis ch. 4, Table 4.6a), trained with the joint loss: without
     # AIF generation runs the main decoder only; with AIF the auxiliary decoders run in lock-step.
@@ -127,9 +135,6 @@ def lookup(name: str) -> System:
     if name not in table:
         raise KeyError(f"unknown system {name!r}; known: {', '.join(sorted(table))}")
     return table[name]
-
-
-MULTI_SOURCE_STRATEGIES = ("serial", "parallel", "flat", "hierarchical")
 
 
 def multi_source_system(name: str, sources: Sequence[str], strategy: str, target: str) -> System:

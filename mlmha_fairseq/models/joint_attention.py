@@ -31,11 +31,12 @@ from fairseq.modules import MultiheadAttention
 from ..errors import UsageError
 from ..modules.dynamic_layer_combination import DynamicLinearCombination
 from ..modules.layer_aggregation import (
+    ITER_C_AGG,
     LAYER_AGGREGATION_CHOICES,
     TransparentCombination,
     build_layer_aggregation,
 )
-from ..modules.multi_layer_attention import VARIANTS, MultiLayerMultiheadAttention, parse_variant
+from ..modules.multi_layer_attention import M_00, M_10, VARIANTS, MultiLayerMultiheadAttention, parse_variant
 from ..modules.source_feature_collector import SourceFeatureCollector
 from .options import Mechanism, Option, Switch, register_architecture, register_mechanism
 from .presets import post_norm, set_sizes, thesis_base, thesis_pre_norm, thesis_small
@@ -77,7 +78,7 @@ class MLMHAOptions:
 
 MLMHA = register_mechanism(Mechanism(
     "MLMHA", Switch(f"--decoder-cross-attention {MULTI_LAYER}", _uses_multi_layer_attention), (
-        Option("--mlmha-variant", "M-00", "MLMHA: joint (M-0x) or layer-specific (M-1x) attention "
+        Option("--mlmha-variant", M_00, "MLMHA: joint (M-0x) or layer-specific (M-1x) attention "
                "weights, concatenated (M-x0) or summed (M-x1) contexts (Ampomah et al. 2020, "
                "Table 1)", argparse=dict(choices=VARIANTS)),
         Option("--mlmha-bias", False, "biases on the MLMHA projections (default: bias-free, as the "
@@ -331,7 +332,7 @@ def mlmha_transformer_iwslt(args):
 def mlmha_transformer_wmt_en_de(args):
     """MLMHA, WMT'14 En-De (Ampomah et al. 2020, §5.2): n = L = 6, M-10; pre-norm as ``mlmha_transformer_iwslt``."""
     args.decoder_cross_attention = getattr(args, "decoder_cross_attention", MULTI_LAYER)
-    args.mlmha_variant = getattr(args, "mlmha_variant", "M-10")
+    args.mlmha_variant = getattr(args, "mlmha_variant", M_10)
     thesis_pre_norm(args)
     thesis_base(args)
 
@@ -340,7 +341,7 @@ def mlmha_transformer_wmt_en_de(args):
 def layer_aggregation_transformer_iwslt(args):
     """Layer aggregation (thesis §3.2.1) on the small IWSLT Transformer, Iter-C-Agg, n = L;
     pre-norm with a LayerNorm per collected layer, as the authors' code."""
-    args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
+    args.layer_aggregation = getattr(args, "layer_aggregation", ITER_C_AGG)
     thesis_pre_norm(args)
     thesis_small(args)
 
@@ -348,7 +349,7 @@ def layer_aggregation_transformer_iwslt(args):
 @register_architecture("slot_transformer", "layer_aggregation_transformer_wmt_en_de")
 def layer_aggregation_transformer_wmt_en_de(args):
     """Layer aggregation (thesis §3.2.1) on the base Transformer, Iter-C-Agg, n = L; pre-norm."""
-    args.layer_aggregation = getattr(args, "layer_aggregation", "iter-c-agg")
+    args.layer_aggregation = getattr(args, "layer_aggregation", ITER_C_AGG)
     thesis_pre_norm(args)
     thesis_base(args)
 

@@ -19,7 +19,9 @@ sides are built.
 Presets: ``mlrf_transformer_iwslt_de_en`` (Both-FNN-SA, 4 hops) and
 ``mlrf_transformer_nist`` (Dec-SA, 4 hops, independent W1).
 """
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +46,9 @@ from .slots import DECODER_OUTPUT, ENCODER_MEMORY, register_model_hook
 
 NONE = "none"
 ENCODER, DECODER = "encoder", "decoder"
+SIDES = (ENCODER, DECODER)
+SIDE_CHOICES = (NONE,) + FUSION_FUNCTIONS
+FUSION_FLAG = {ENCODER: "--mlrf-encoder-fusion", DECODER: "--mlrf-decoder-fusion"}
 DEFAULTS = FusionOptions()
 EMBEDDING_LAYER = 0  # footnote 2: the word-embedding layer is layer 0
 MLRF_FUSION = "mlrf_fusion"
@@ -54,16 +59,18 @@ FUNCTION_HELP = ("avg (average pooling), fnn (one-hidden-layer FNN), sa (multi-h
 
 
 def _function(args, side: str) -> str:
+    """The fusion function ``args`` asks of ``side``, unchecked: what the switches test, on
+    arguments that may lack the option, and what :class:`MLRFOptions` validates."""
     return getattr(args, f"mlrf_{side}_fusion", NONE) or NONE
 
 
 def _fuses_with(*functions: str) -> Callable[[Any], bool]:
-    return lambda args: any(_function(args, side) in functions for side in (ENCODER, DECODER))
+    return lambda args: any(_function(args, side) in functions for side in SIDES)
 
 
 def _needs(*functions: str) -> Switch:
     names = "/".join(f.upper() for f in functions)
-    sides = " or ".join(f"--mlrf-{side}-fusion {'|'.join(functions)}" for side in (ENCODER, DECODER))
+    sides = " or ".join(f"{FUSION_FLAG[side]} {'|'.join(functions)}" for side in SIDES)
     return Switch(f"{names} fusion ({sides})", _fuses_with(*functions))
 
 
@@ -92,14 +99,62 @@ def _fusion_options(cfg) -> FusionOptions:
     return options
 
 
+def _checked_function(cfg, side: str) -> str:
+    """The fusion function of ``side``: the command line offers only the choices, a checkpoint's
+    arguments or ``--model-overrides`` may hold anything."""
+    function = _function(cfg, side)
+    if function not in SIDE_CHOICES:
+        raise UsageError(f"{FUSION_FLAG[side]} {function}: choose one of {', '.join(SIDE_CHOICES)}")
+    return function
+
+
+def _num_layers(cfg, side: str) -> int:
+    return cfg.encoder.layers if side == ENCODER else cfg.decoder.layers
+
+
+def _embed_dim(cfg, side: str) -> int:
+    return cfg.encoder.embed_dim if side == ENCODER else cfg.decoder.embed_dim
+
+
+def _layer_embedding_rows(cfg, sides: FrozenSet[str], include_embedding_layer: bool) -> int:
+    """Rows of the shared table: one per fused layer number, first..max(L), over the
+    ``sides`` that use it; they must then have the same width."""
+    if len({_embed_dim(cfg, side) for side in sides}) > 1:
+        raise UsageError("the MLRF layer embedding is shared by encoder and decoder: it needs "
+                         "--encoder-embed-dim == --decoder-embed-dim (or --mlrf-no-layer-embedding)")
+    first_layer = EMBEDDING_LAYER + int(not include_embedding_layer)
+    return 1 + max(_num_layers(cfg, side) for side in sides) - first_layer
+
+
+@dataclass(frozen=True)
+class MLRFOptions:
+    """What MLRF fuses where, validated once: each side's fusion function, whether the
+    embedding output is fused, the sides whose fusion adds the shared layer embedding (Eq. 4)
+    and the rows of that table, and the fusion hyper-parameters."""
+
+    functions: Mapping[str, str]  # ENCODER/DECODER -> NONE (the top layer, unfused) or a function
+    include_embedding_layer: bool  # K = L + 1 (layer 0 fused), else K = L (Table 4 "Word Emb.")
+    layer_embedding_sides: FrozenSet[str]
+    layer_embedding_rows: int  # 0 when no side adds the layer embedding
+    fusion: FusionOptions
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "MLRFOptions":
+        functions = {side: _checked_function(cfg, side) for side in SIDES}
+        fusion = _fusion_options(cfg)
+        include_embedding_layer = not cfg.mlrf_no_embedding_layer
+        # Eq. 4: FNN and SA add the layer embedding (AVG has none: AverageFusion)
+        sides = frozenset(side for side in SIDES
+                          if functions[side] in (FNN, SA) and not cfg.mlrf_no_layer_embedding)
+        rows = _layer_embedding_rows(cfg, sides, include_embedding_layer) if sides else 0
+        return cls(MappingProxyType(functions), include_embedding_layer, sides, rows, fusion)
+
+
 MLRF = register_mechanism(Mechanism(
     "MLRF", _needs(*FUSION_FUNCTIONS), (
-        Option("--mlrf-encoder-fusion", NONE, f"fuse all encoder layer outputs (embedding included) "
-               f"into {FUSED_OUTPUT[ENCODER]}: {FUNCTION_HELP}",
-               argparse=dict(choices=(NONE,) + FUSION_FUNCTIONS), is_switch=True),
-        Option("--mlrf-decoder-fusion", NONE, f"fuse all decoder layer outputs (embedding included) "
-               f"into {FUSED_OUTPUT[DECODER]}: {FUNCTION_HELP}",
-               argparse=dict(choices=(NONE,) + FUSION_FUNCTIONS), is_switch=True),
+        *(Option(FUSION_FLAG[side], NONE, f"fuse all {side} layer outputs (embedding included) "
+                 f"into {FUSED_OUTPUT[side]}: {FUNCTION_HELP}", argparse=dict(choices=SIDE_CHOICES),
+                 is_switch=True) for side in SIDES),
         Option("--mlrf-hops", DEFAULTS.hops, f"SA fusion: number of attention hops n_hop (default "
                f"{DEFAULTS.hops})", argparse=dict(type=int, metavar="N"), needs=_SA),
         Option("--mlrf-attention-dim", DEFAULTS.attention_dim, f"SA fusion: inner size d_a of W1 "
@@ -125,36 +180,7 @@ MLRF = register_mechanism(Mechanism(
                f"(default {DEFAULTS.dropout})", argparse=dict(type=float, metavar="P"), needs=_FNN_OR_SA),
         Option("--mlrf-no-avg-layernorm", not DEFAULTS.average_layer_norm, "AVG fusion without the "
                "LayerNorm after it", argparse=dict(action="store_true"), needs=_needs(AVG)),
-    ), parse=_fusion_options))
-
-
-def _num_layers(cfg, side: str) -> int:
-    return cfg.encoder.layers if side == ENCODER else cfg.decoder.layers
-
-
-def _embed_dim(cfg, side: str) -> int:
-    return cfg.encoder.embed_dim if side == ENCODER else cfg.decoder.embed_dim
-
-
-def _uses_layer_embedding(cfg, side: str) -> bool:
-    """FNN and SA add the layer embedding unless --mlrf-no-layer-embedding (Wang et al.
-    2018, Eq. 4)."""
-    return _function(cfg, side) in (FNN, SA) and not cfg.mlrf_no_layer_embedding
-
-
-def _first_fused_layer(cfg) -> int:
-    """0 (the embedding output) unless --mlrf-no-embedding-layer, then 1."""
-    return EMBEDDING_LAYER + int(cfg.mlrf_no_embedding_layer)
-
-
-def _layer_embedding_rows(cfg) -> int:
-    """Rows of the shared table: one per fused layer number, first..max(L), over the sides
-    that use it; both sides must then have the same width."""
-    sides = [side for side in (ENCODER, DECODER) if _uses_layer_embedding(cfg, side)]
-    if len({_embed_dim(cfg, side) for side in sides}) > 1:
-        raise UsageError("the MLRF layer embedding is shared by encoder and decoder: it needs "
-                         "--encoder-embed-dim == --decoder-embed-dim (or --mlrf-no-layer-embedding)")
-    return 1 + max(_num_layers(cfg, side) for side in sides) - _first_fused_layer(cfg)
+    ), parse=MLRFOptions.from_cfg))
 
 
 class LayerFusion(nn.Module):
@@ -225,27 +251,29 @@ class FusedDecoderOutput(LayerFusion):
 
 
 def _build_layer_fusion(wrapper, cfg, side: str, num_layers: int) -> Optional[LayerFusion]:
-    function = _function(cfg, side)
+    options = MLRF.parsed(cfg)
+    function = options.functions[side]
     if function == NONE:
         return None
-    include_embedding_layer = not cfg.mlrf_no_embedding_layer
-    num_states = num_layers + int(include_embedding_layer)  # K
+    num_states = num_layers + int(options.include_embedding_layer)  # K
     embed_dim = _embed_dim(cfg, side)
-    fusion = build_fusion(function, num_states, embed_dim, MLRF.parsed(cfg))
+    fusion = build_fusion(function, num_states, embed_dim, options.fusion)
     layer_embedding = None
-    if _uses_layer_embedding(cfg, side):
-        layer_embedding = build_layer_embedding(_layer_embedding_rows(cfg), embed_dim)
-    return wrapper(fusion, num_layers, include_embedding_layer, layer_embedding)
+    if side in options.layer_embedding_sides:
+        layer_embedding = build_layer_embedding(options.layer_embedding_rows, embed_dim)
+    return wrapper(fusion, num_layers, options.include_embedding_layer, layer_embedding)
 
 
-@ENCODER_MEMORY.register(MLRF_FUSION,
-                         given_by=lambda cfg: f"--mlrf-encoder-fusion {cfg.mlrf_encoder_fusion}")
+def _given_by(side: str) -> Callable[[Any], str]:
+    return lambda cfg: f"{FUSION_FLAG[side]} {MLRF.parsed(cfg).functions[side]}"
+
+
+@ENCODER_MEMORY.register(MLRF_FUSION, given_by=_given_by(ENCODER))
 def build_fused_encoder_memory(cfg, num_layers, **encoder_context):
     return _build_layer_fusion(FusedEncoderMemory, cfg, ENCODER, num_layers)
 
 
-@DECODER_OUTPUT.register(MLRF_FUSION,
-                         given_by=lambda cfg: f"--mlrf-decoder-fusion {cfg.mlrf_decoder_fusion}")
+@DECODER_OUTPUT.register(MLRF_FUSION, given_by=_given_by(DECODER))
 def build_fused_decoder_output(cfg, num_layers):
     return _build_layer_fusion(FusedDecoderOutput, cfg, DECODER, num_layers)
 

@@ -116,10 +116,11 @@ class TransparentCombination(nn.Module):
 
 
 # Thesis §3.2.1 names, then the MLMHA paper's names for its re-implemented baselines (its §5.4).
-LAYER_AGGREGATION_NAMES = ("s-agg", "iter-s-agg", "c-agg", "iter-c-agg")
+S_AGG, ITER_S_AGG, C_AGG, ITER_C_AGG = "s-agg", "iter-s-agg", "c-agg", "iter-c-agg"
+LAYER_AGGREGATION_NAMES = (S_AGG, ITER_S_AGG, C_AGG, ITER_C_AGG)
 LAYER_AGGREGATION_ALIASES: Dict[str, str] = {
-    "linear-combination": "s-agg",
-    "iterative-combination": "iter-c-agg",
+    "linear-combination": S_AGG,
+    "iterative-combination": ITER_C_AGG,
 }
 LAYER_AGGREGATION_CHOICES = LAYER_AGGREGATION_NAMES + tuple(LAYER_AGGREGATION_ALIASES)
 
@@ -152,10 +153,10 @@ def build_layer_aggregation(
             num_inputs, embed_dim, ffn_embed_dim, dropout, activation_dropout
         )
 
-    if canonical == "s-agg":
+    if canonical == S_AGG:
         return WeightedSum(num_taps, embed_dim)
-    if canonical == "iter-s-agg":
+    if canonical == ITER_S_AGG:
         return IterativeAggregation(num_taps, lambda: WeightedSum(PAIR, embed_dim))
-    if canonical == "c-agg":
+    if canonical == C_AGG:
         return aggregate(num_taps)
     return IterativeAggregation(num_taps, lambda: aggregate(PAIR))

@@ -26,7 +26,8 @@ IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
 # Ampomah et al. 2020, Table 1: variant M-ij, i = 0 joint / 1 layer-specific attention
 # weights, j = 0 concatenated / 1 summed contexts.
-VARIANTS = ("M-00", "M-01", "M-10", "M-11")
+M_00, M_01, M_10, M_11 = "M-00", "M-01", "M-10", "M-11"
+VARIANTS = (M_00, M_01, M_10, M_11)
 
 # fairseq's MultiheadAttention initialises q/k/v with this Xavier gain; the same gain keeps
 # n = 1 identical to the standard cross-attention at initialisation.
