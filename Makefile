@@ -2,6 +2,7 @@
 #   make test   create .venv if needed, install everything, run the test suite
 #   make demo   same set-up, then the main job (train, decode, score)
 #   make security  the exhaustive checkpoint-payload sweep (minutes; not in CI)
+#   make exhaustive  every exhaustive sweep: the payloads and every variant's ensemble (not in CI)
 #   make mutation  mutation testing of the mechanism code (hours on 2 cores; not in CI;
 #                  docs/testing.md), e.g. make mutation MUTANTS='mlmha_fairseq.modules.dual_contextual*'
 #   make experiment   a grid of systems x seeds from a TOML file (EXPERIMENT=...)
@@ -20,7 +21,7 @@ MUTANTS ?=
 EXPERIMENT ?= examples/experiment/demo.toml
 EXPERIMENT_ARGS ?=
 
-.PHONY: venv test demo experiment results mutation security compat clean-venv
+.PHONY: venv test demo experiment results mutation security exhaustive compat clean-venv
 
 venv: $(STAMP)
 
@@ -45,6 +46,10 @@ mutation: $(STAMP)
 # models, argparse and hydra forms, through fairseq-generate's and -interactive's loading paths
 security: $(STAMP)
 	MLMHA_EXHAUSTIVE=1 $(PY) -m pytest tests/test_checkpoint_payloads.py $(PYTEST_ARGS)
+
+# every test marked exhaustive (pytest.ini): the sweeps beyond the sample that CI runs
+exhaustive: $(STAMP)
+	MLMHA_EXHAUSTIVE=1 $(PY) -m pytest tests -m exhaustive -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # a grid of systems x seeds (default: the quick demo with 3 seeds); resumes when rerun
 experiment: $(STAMP)

@@ -13,16 +13,17 @@ from fairseq_helpers import preprocess, write_reversal_corpus
 CLI_FIXTURES = {"data_bin", "n_way_bin"}
 
 
-# the exhaustive checkpoint-payload sweep (tests/test_checkpoint_payloads.py, minutes): `make
-# security` runs it; the suite covers the same channel on one model (test_checkpoint_safety.py)
+# the exhaustive sweeps (minutes), beyond the sample that CI runs: `make exhaustive` runs them all,
+# `make security` the checkpoint-payload one (tests/test_checkpoint_payloads.py; the suite covers
+# the same channel on one model, test_checkpoint_safety.py)
 EXHAUSTIVE = os.environ.get("MLMHA_EXHAUSTIVE") == "1"
 
 
 def pytest_collection_modifyitems(items):
     """Tests that run fairseq's command-line tools on a binarized corpus get the ``cli``
     marker, so ``pytest -m "not cli"`` skips them (test tiers: docs/testing.md); the
-    ``exhaustive`` ones are skipped unless MLMHA_EXHAUSTIVE=1 (``make security``)."""
-    skip = pytest.mark.skip(reason="exhaustive sweep: make security (MLMHA_EXHAUSTIVE=1)")
+    ``exhaustive`` ones are skipped unless MLMHA_EXHAUSTIVE=1 (``make exhaustive``)."""
+    skip = pytest.mark.skip(reason="exhaustive sweep: make exhaustive (MLMHA_EXHAUSTIVE=1)")
     for item in items:
         if CLI_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cli)
