@@ -2,7 +2,9 @@
 identical parameters, as fairseq's DDP must guarantee, although each saw other batches;
 started one by one or by torchrun, and equal to one process that accumulates the same
 batches."""
+import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,6 +13,8 @@ import pytest
 import torch
 
 from fairseq_helpers import USER_DIR, train_args
+from mlmha_fairseq.cli import train as cli_train
+from mlmha_fairseq.errors import UsageError
 
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 WORLD_SIZE = 2
@@ -123,3 +127,31 @@ def test_spawned_gpu_ranks_hold_identical_parameters(backend, data_bin, tmp_path
     assert rank0["num_updates"] == rank1["num_updates"] == 3
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
+
+
+SRUN_TASK = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "node[7-8]"}
+
+
+def srun_args(world_size=2):
+    return argparse.Namespace(distributed_world_size=world_size, distributed_port=12345,
+                              distributed_init_method=None, distributed_rank=0, distributed_no_spawn=False)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs Slurm's scontrol (scripts/start_slurm.sh)")
+def test_a_cpu_task_of_srun_meets_on_the_first_node_with_its_slurm_rank(monkeypatch):
+    """What fairseq's Slurm initialisation derives on GPUs (which fails on CPUs:
+    mlmha_fairseq/cli/train.py), from the same variables; the run itself is in the Slurm tier
+    (tests/test_experiment_slurm.py)."""
+    for name, value in SRUN_TASK.items():
+        monkeypatch.setenv(name, value)
+    args = srun_args()
+    cli_train.slurm_cpu_rank(args)
+    assert (args.distributed_init_method, args.distributed_rank, args.distributed_no_spawn) == (
+        "tcp://node7:12345", 1, True)
+
+
+def test_a_cpu_run_whose_world_size_is_not_its_task_count_is_refused(monkeypatch):
+    for name, value in SRUN_TASK.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=r"--distributed-world-size 4 does not match this Slurm step's 2 task"):
+        cli_train.slurm_cpu_rank(srun_args(4))

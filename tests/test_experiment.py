@@ -210,6 +210,10 @@ BAD_CONFIGS = {
     'launcher = { sbatch = { comment = "x\\nrm -rf ~" } }': "sbatch must be a table of further sbatch options "
                                                              "without control characters",
     'launcher = { partition = "debug\\u0007" }': "partition must be a Slurm partition (no control characters)",
+    # data-parallel runs: every node the same number of ranks, one GPU per rank
+    "launcher = { tasks_per_run = 3, nodes_per_run = 2 }": "tasks_per_run (3) must be a multiple of nodes_per_run (2)",
+    "launcher = { tasks_per_run = 2, gpus_per_run = 1 }": "gpus_per_run must be 0 (CPUs) or 2 (one GPU per rank)",
+    "launcher = { tasks_per_run = 0 }": "tasks_per_run must be a positive integer",
     # budget-matched baselines (experiments/matching.py)
     'matched = ["MLMHA M-00"]': "matched names 'MLMHA M-00', which is not one of the systems",
     'matched = ["transformer"]': "matched names the baseline 'Transformer (fairseq)'",

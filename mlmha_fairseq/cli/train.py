@@ -1,4 +1,4 @@
-"""fairseq-train, with ``--bf16`` on a GPU or CPU and ``torchrun`` on CPUs.
+"""fairseq-train, with ``--bf16`` on a GPU or CPU, and ``torchrun`` or ``srun`` on CPUs.
 
 fairseq-train's own options and ``main``, parsed by fairseq's parser, with two settings
 that fairseq's command line gets wrong:
@@ -9,6 +9,11 @@ that fairseq's command line gets wrong:
   ``--distributed-world-size`` and then divides by the number of GPUs (ZeroDivisionError on
   CPUs); here a process started by torchrun takes its rank, world size and local device
   from torchrun's environment, on GPUs and CPUs alike.
+* under ``srun`` with ``--distributed-world-size`` and ``--distributed-port``, fairseq's own
+  Slurm initialisation serves GPUs, but on CPUs it calls ``torch.cuda.set_device`` with the
+  task's ``SLURM_LOCALID`` (fairseq/distributed/utils.py, ``infer_init_method``), which fails
+  for every task but the first of a node; here a ``--cpu`` task takes the same rendezvous
+  (the job's first node, ``--distributed-port``) and its rank from ``SLURM_PROCID`` itself.
 
 It runs from any directory with either ``--user-dir`` form (``mlmha_fairseq`` or the
 package's folder): see :func:`user_dir_of_this_package`.
@@ -18,8 +23,11 @@ Examples::
     python -m mlmha_fairseq.cli.train data-bin --user-dir mlmha_fairseq --arch mlmha_transformer_iwslt --bf16 ...
     torchrun --nproc_per_node 2 -m mlmha_fairseq.cli.train data-bin --user-dir mlmha_fairseq ... \
         --cpu --distributed-backend gloo
+    srun --ntasks 2 python -m mlmha_fairseq.cli.train data-bin --user-dir mlmha_fairseq ... \
+        --cpu --distributed-backend gloo --distributed-world-size 2 --distributed-port 12345
 """
 import os
+import subprocess
 import sys
 from typing import List
 
@@ -83,7 +91,32 @@ def main(argv=None):
         args.distributed_rank = int(os.environ["RANK"])
         args.device_id = int(os.environ.get("LOCAL_RANK", 0))
         args.distributed_no_spawn = True
+    elif args.cpu and args.distributed_world_size > 1 and args.distributed_port > 0 \
+            and args.distributed_init_method is None and "SLURM_PROCID" in os.environ:
+        slurm_cpu_rank(args)
     distributed_utils.call_main(convert_namespace_to_omegaconf(args), train.main)
+
+
+def slurm_cpu_rank(args) -> None:
+    """This ``srun`` task's place in a CPU data-parallel run: the rendezvous and the rank that
+    fairseq's Slurm initialisation derives for GPUs, from the same variables."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or 0)
+    if tasks != args.distributed_world_size:
+        raise UsageError(f"--distributed-world-size {args.distributed_world_size} does not match this Slurm step's "
+                         f"{tasks} task(s): start one task per rank (srun --ntasks {args.distributed_world_size})")
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodes:
+        raise UsageError("a --cpu run under srun needs SLURM_STEP_NODELIST or SLURM_JOB_NODELIST to find its "
+                         "first node")
+    try:
+        first = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
+                               check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError) as error:
+        raise UsageError(f"scontrol show hostnames {nodes} failed ({error}): a --cpu run under srun needs Slurm's "
+                         "scontrol to find its first node") from None
+    args.distributed_init_method = f"tcp://{first}:{args.distributed_port}"
+    args.distributed_rank = int(os.environ["SLURM_PROCID"])
+    args.distributed_no_spawn = True
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from typing import Dict, List, Optional
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.corpora import POSTPROCESS, Corpus
 from mlmha_fairseq.experiments.slurm import SlurmLauncher
-from mlmha_fairseq.experiments.grid import METRICS, MODEL, TOKEN_BATCHES, Batching, Convergence, Settings, slug
+from mlmha_fairseq.experiments.grid import (METRICS, MODEL, TOKEN_BATCHES, Batching, Convergence, DataParallel, Settings,
+                                            slug)
 from mlmha_fairseq.experiments.matching import MATCHED_BY
 from mlmha_fairseq.experiments.systems import MULTI_SOURCE_STRATEGIES, System, lookup, multi_source_system
 
@@ -73,6 +74,8 @@ LAUNCHER_SCHEMA = {
     "partition": (lambda v: _text(v) and _plain(v), "a Slurm partition (no control characters)"),
     "cpus_per_run": (_positive, "a positive integer"),
     "gpus_per_run": (_count, "an integer >= 0"),
+    "tasks_per_run": (_positive, "a positive integer (data-parallel ranks of one run, one Slurm task each)"),
+    "nodes_per_run": (_positive, "a positive integer (nodes that one run's tasks are spread over)"),
     "time_min": (_positive, "a positive integer (minutes)"),
     "mem_gb": (_count, "an integer >= 0 (0: the partition's default)"),
     "sbatch": (lambda v: isinstance(v, dict) and all(_plain(k) and _plain(x) for k, x in v.items()),
@@ -218,6 +221,7 @@ def load_config(path: str) -> Experiment:
     if launcher is not None:
         check_table(launcher, LAUNCHER_SCHEMA, f"{path}: [launcher]")
         launcher = SlurmLauncher(**{key: value for key, value in launcher.items()})
+        launcher.check(f"{path}: [launcher]")
     corpus = config.get("corpus", {})
     check_table(corpus, CORPUS_SCHEMA, f"{path}: [corpus]")
     if not (corpus.get("dir") or corpus.get("sources") or corpus.get("data_bin")):
@@ -264,7 +268,7 @@ def matched_from(config: Dict, names: List[str], baseline: str, path: str) -> Li
 
 
 def settings_from(experiment: Experiment, corpus: Corpus, max_update: Optional[int]) -> Settings:
-    config = experiment.settings
+    config, launcher = experiment.settings, experiment.launcher
     if "batch_size" in config:
         batching = Batching("--batch-size", int(config["batch_size"]), "sentences")
     else:
@@ -282,4 +286,5 @@ def settings_from(experiment: Experiment, corpus: Corpus, max_update: Optional[i
         lr=float(config.get("lr", 2e-3)),
         warmup_updates=int(config.get("warmup_updates", 0)),
         convergence=Convergence(**config["convergence"]) if "convergence" in config else None,
+        data_parallel=DataParallel(launcher.tasks_per_run) if launcher and launcher.tasks_per_run > 1 else None,
     )

@@ -55,11 +55,12 @@ def fairseq(tool: str, *args) -> List[str]:
     return [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
 
 
-def fairseq_train(train_args: Sequence[str], *args) -> List[str]:
-    """fairseq-train, or with ``--bf16`` among ``train_args`` the package's
-    :mod:`mlmha_fairseq.cli.train`: fairseq-train's own ``main``, without the command line
-    that turns ``--bf16`` into ``--tpu`` (which fails without torch_xla)."""
-    if "--bf16" not in train_args:
+def fairseq_train(settings: "Settings", *args) -> List[str]:
+    """fairseq-train, or the package's :mod:`mlmha_fairseq.cli.train` (fairseq-train's own
+    ``main``) for what fairseq's command line gets wrong: ``--bf16`` among the train options
+    (fairseq turns it into ``--tpu``, which fails without torch_xla) and a data-parallel run's
+    ranks on CPUs."""
+    if "--bf16" not in settings.train_args and not settings.data_parallel:
         return fairseq("train", *args)
     return [sys.executable, "-m", "mlmha_fairseq.cli.train", *map(str, args)]
 
@@ -156,6 +157,18 @@ class Convergence(NamedTuple):
 EPOCHS_NEVER = 1_000_000  # an epoch interval no run reaches
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """One run trained by ``ranks`` processes, one per Slurm task of its job (see
+    :mod:`mlmha_fairseq.experiments.slurm`). The job's tasks fill in the rest: they meet on its
+    first node at ``port``; ``attempt`` names this start of the job (its id and requeue count),
+    so that a rank never follows an earlier attempt's command."""
+
+    ranks: int
+    port: int = 0
+    attempt: str = ""
+
+
 @dataclass
 class Settings:
     """What every run of a grid shares."""
@@ -178,10 +191,22 @@ class Settings:
     postprocess: List[str] = field(default_factory=lambda: ["--remove-bpe"])  # subwords -> words
     detokenize: bool = True  # Moses-detokenize hypotheses (the target language's)
     env: Dict[str, str] = field(default_factory=dict)  # added to the environment of the run's commands
+    data_parallel: Optional[DataParallel] = None  # None: one process per run
 
     @property
     def device_args(self) -> List[str]:
         return ["--cpu"] if self.cpu else []
+
+    @property
+    def data_parallel_args(self) -> List:
+        """fairseq-train's options for this run's ranks: fairseq's Slurm initialisation (or, on
+        CPUs, :mod:`mlmha_fairseq.cli.train`'s) reads each rank from its task's ``SLURM_*``."""
+        if not self.data_parallel:
+            return []
+        # on CPUs: gloo, and fairseq's own DDP (its torch DDP wrapper passes a device id, which
+        # torch refuses for a CPU module); the train options may still choose otherwise
+        return ["--distributed-world-size", self.data_parallel.ranks, "--distributed-port", self.data_parallel.port,
+                *(["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp"] if self.cpu else [])]
 
     @property
     def stops_early(self) -> bool:
@@ -424,6 +449,7 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
                 else settings.save_interval_updates or max(1, settings.max_update // 4))
     done = usable_last_checkpoint(run)
     if done >= settings.max_update:
+        publish_training(run, settings, None)
         # fairseq-train steps before it checks --max-update, so restarting it here would train
         # one update past the budget (a runner stopped after training, before train.done)
         logger.info("  %s holds %d updates, the budget: not trained again", run.checkpoints, done)
@@ -435,13 +461,12 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
     # save) are done again
     convergence = settings.convergence
     if resumed_to_converge and validations_since_best(log_path, done, convergence.metric) >= convergence.patience:
+        publish_training(run, settings, None)
         record_convergence(run, convergence, "not trained again")
         return
-    stop_when = (lambda: converged_over_attempts(log_path, convergence)) if resumed_to_converge else None
     system = run.system
-    mark_attempt(log_path, done)
-    run_command(fairseq_train(
-        settings.train_args, settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
+    command = fairseq_train(
+        settings, settings.data_bin, "--user-dir", USER_DIR, *settings.corpus_args, *system.task_options,
         "--arch", system.arch,
         *settings.model_args,
         "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", f"{settings.lr:g}",
@@ -451,15 +476,60 @@ def train(run: Run, settings: Settings, work_dir: str, on_poll=None) -> None:
         settings.batching.option, settings.batching.size, "--max-update", settings.max_update,
         "--save-dir", run.checkpoints, "--no-epoch-checkpoints",
         "--save-interval-updates", interval, "--keep-interval-updates", max(1, settings.average_last),
-        "--seed", run.seed, *settings.device_args, "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
+        "--seed", run.seed, *settings.device_args, *settings.data_parallel_args,
+        "--num-workers", "0", "--log-interval", "25", "--no-progress-bar",
         *settings.convergence_options(),
         *settings.train_args,
         *system.options,  # last: a system may replace the criterion
-    ), log_path, work_dir, on_poll, settings.env, stop_when)
+    )
+    stop_when = training_stop(run, settings, resumed_to_converge)
+    publish_training(run, settings, {"command": command, "resumed_to_converge": resumed_to_converge})
+    mark_attempt(log_path, done)
+    run_command(command, log_path, work_dir, on_poll, settings.env, stop_when)
     if stop_when and stop_when():
         record_convergence(run, convergence, "stopped")
     else:
         write_text(run.path("train.done"), "")
+
+
+def training_stop(run: Run, settings: Settings, resumed_to_converge: bool) -> Optional[Callable[[], bool]]:
+    """When the runner stops a resumed fairseq-train (see :func:`train`): every rank of a
+    data-parallel run asks the same question of the same log, so that all stop together."""
+    if not resumed_to_converge:
+        return None
+    return lambda: converged_over_attempts(run.path("logs", "train.log"), settings.convergence)
+
+
+TRAINING_FILE = "training.json"  # the first rank's fairseq-train command, for the other ranks
+
+
+def publish_training(run: Run, settings: Settings, training: Optional[Dict]) -> None:
+    """For a data-parallel run, tell the other ranks what this attempt trains: ``training``
+    (the command), or None when the first rank trains nothing. Only the first rank reads and
+    repairs the run folder (:func:`usable_last_checkpoint`), so the others wait for this."""
+    if settings.data_parallel:
+        write_text(run.path(TRAINING_FILE), json.dumps({"attempt": settings.data_parallel.attempt,
+                                                        "training": training}) + "\n")
+
+
+def follow_training(run: Run, settings: Settings, rank: int, work_dir: str, wait_seconds: float = 1.0) -> None:
+    """A data-parallel run's rank > 0: wait for the first rank's command of this attempt
+    (:func:`publish_training`) and run it with its own log, ``logs/train.rank<r>.log``."""
+    while True:
+        try:
+            with open(run.path(TRAINING_FILE), encoding="utf-8") as handle:
+                published = json.load(handle)
+        except (OSError, ValueError):  # not yet written
+            published = None
+        if published and published["attempt"] == settings.data_parallel.attempt:
+            break
+        time.sleep(wait_seconds)
+    training = published["training"]
+    if training is None:
+        logger.info("  %s: rank %d: the first rank trains nothing in this attempt", run.name, rank)
+        return
+    run_command(training["command"], run.path("logs", f"train.rank{rank}.log"), work_dir, env=settings.env,
+                stop_when=training_stop(run, settings, training["resumed_to_converge"]))
 
 
 def record_convergence(run: Run, convergence: Convergence, action: str) -> None:
@@ -532,7 +602,13 @@ def run_settings(run: Run, settings: Settings, references: Sequence[str]) -> Dic
         "beam": settings.beam, "generate_args": list(settings.generate_args),
         "postprocess": list(settings.postprocess), "detokenize": settings.detokenize,
         "test references sha256": hashlib.sha256("\n".join(references).encode("utf-8")).hexdigest(),
+        # each rank trains on its own batches: the batch of an update grows with the ranks
+        "data-parallel ranks": settings.data_parallel.ranks if settings.data_parallel else 1,
     }
+
+
+# settings added to run.json after its first version, with the value older folders were trained with
+LATER_RUN_SETTINGS = {"data-parallel ranks": 1}
 
 
 def check_run_settings(runs: Sequence[Run], settings: Settings, references: Sequence[str]) -> None:
@@ -552,13 +628,14 @@ def check_run_settings(runs: Sequence[Run], settings: Settings, references: Sequ
             raise UsageError(f"run folder {run.directory}: {RUN_SETTINGS} cannot be read ({error}): move the run "
                              "folder away") from None
         current = run_settings(run, settings, references)
-        differing = [key for key in current if stored.get(key) != current[key]
+        differing = [key for key in current if stored.get(key, LATER_RUN_SETTINGS.get(key)) != current[key]
                      and (run.finished or key != "max_update")]
         if differing:
             key = differing[0]
             state = "trained" if run.finished else "partly trained"
             raise UsageError(
-                f"run folder {run.directory} was {state} with {key} = {stored.get(key)!r}, this grid has "
+                f"run folder {run.directory} was {state} with {key} = {stored.get(key, LATER_RUN_SETTINGS.get(key))!r}, "
+                f"this grid has "
                 f"{current[key]!r}" + (f" (and {len(differing) - 1} more setting(s) differ)" if len(differing) > 1 else "")
                 + ": its results would be reported under this grid's settings; use another work_dir, or move the "
                   "run folder away to train it again")

@@ -7,6 +7,12 @@ runs, leaves queued and running jobs alone, and resubmits a run whose job is gon
 finishing it (cancelled, failed, timed out), which resumes from its ``checkpoint_last.pt``. A
 job that Slurm preempts or requeues (``scontrol requeue``) starts again and resumes the same
 way; one that reaches its time limit is requeued by submitit (:meth:`RunJob.checkpoint`).
+
+With ``tasks_per_run`` > 1 a run trains data-parallel: its job has that many Slurm tasks
+(spread over ``nodes_per_run`` nodes), submitit starts the run's callable in each through
+``srun``, and each task's fairseq-train is one rank (fairseq's Slurm initialisation, NCCL, on
+GPUs; gloo on CPUs). The first task holds the run folder, trains, decodes and scores; the
+others train with it (:func:`~mlmha_fairseq.experiments.grid.follow_training`).
 """
 import dataclasses
 import logging
@@ -17,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from mlmha_fairseq.errors import UsageError
-from mlmha_fairseq.experiments.grid import Grid, Run, Settings, attempt_progress, execute, slug
+from mlmha_fairseq.experiments.grid import (Grid, Run, Settings, attempt_progress, execute, follow_training,
+                                            slug)
 from mlmha_fairseq.output_files import exclusive_folder
 
 logger = logging.getLogger("mlmha_fairseq.experiment")
@@ -30,23 +37,35 @@ class SlurmLauncher:
     """The ``[launcher]`` table: what each run's job asks Slurm for."""
 
     partition: str = ""
-    cpus_per_run: int = 1
+    cpus_per_run: int = 1  # per task
     gpus_per_run: int = 0
+    tasks_per_run: int = 1  # data-parallel ranks (one Slurm task each)
+    nodes_per_run: int = 1
     time_min: int = 60
     mem_gb: int = 0  # 0: the partition's default
     sbatch: Dict[str, str] = field(default_factory=dict)  # further sbatch options, e.g. {"qos": "high"}
     wait: bool = True  # False: submit and exit; start the runner again to collect
+
+    def check(self, where: str) -> None:
+        """One line for a request no job can satisfy as the runner uses it."""
+        if self.tasks_per_run % self.nodes_per_run:
+            raise UsageError(f"{where}: tasks_per_run ({self.tasks_per_run}) must be a multiple of nodes_per_run "
+                             f"({self.nodes_per_run}): each node runs the same number of ranks")
+        if self.tasks_per_run > 1 and self.gpus_per_run not in (0, self.tasks_per_run):
+            raise UsageError(f"{where}: with tasks_per_run = {self.tasks_per_run}, gpus_per_run must be 0 (CPUs) or "
+                             f"{self.tasks_per_run} (one GPU per rank), got {self.gpus_per_run}")
 
     def executor(self, folder: str):
         import submitit
 
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
         parameters = dict(timeout_min=self.time_min, cpus_per_task=self.cpus_per_run,
+                          nodes=self.nodes_per_run, tasks_per_node=self.tasks_per_run // self.nodes_per_run,
                           slurm_additional_parameters=dict(self.sbatch))
         if self.partition:
             parameters["slurm_partition"] = self.partition
         if self.gpus_per_run:
-            parameters["gpus_per_node"] = self.gpus_per_run
+            parameters["gpus_per_node"] = self.gpus_per_run // self.nodes_per_run
         if self.mem_gb:
             parameters["mem_gb"] = self.mem_gb
         executor.update_parameters(**parameters)
@@ -63,14 +82,30 @@ class RunJob:
     def __init__(self, run: Run, settings: Settings, references: List[str], work_dir: str):
         self.run, self.settings, self.references, self.work_dir = run, settings, references, work_dir
 
-    def __call__(self) -> Dict:
+    def __call__(self) -> Optional[Dict]:
+        settings = self.settings
+        if settings.data_parallel:
+            import submitit
+
+            task = submitit.JobEnvironment()
+            settings = dataclasses.replace(settings, data_parallel=dataclasses.replace(
+                settings.data_parallel, port=rendezvous_port(task.job_id),
+                attempt=f"{task.job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"))
+            if task.global_rank > 0:
+                return follow_training(self.run, settings, task.global_rank, self.work_dir)
         with exclusive_folder(self.run.directory, "run folder"):
-            return execute(self.run, self.settings, self.references, self.work_dir)
+            return execute(self.run, settings, self.references, self.work_dir)
 
     def checkpoint(self, *args, **kwargs):
         import submitit
 
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+def rendezvous_port(job_id: str) -> int:
+    """The port where a job's ranks meet, the same for every task: from the job id, as fairseq
+    picks one for a single-node Slurm job (``_infer_single_node_init``)."""
+    return 10_000 + int("".join(c for c in job_id if c.isdigit()) or 0) % 50_000
 
 
 def queued_or_running(job_id: str) -> bool:
