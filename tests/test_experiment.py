@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from fairseq_helpers import DECODING
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.experiments import corpora, grid, systems
 from mlmha_fairseq.errors import UsageError
@@ -25,6 +26,7 @@ seeds = 2
 systems = ["transformer", "MLMHA M-00", {{ name = "broken", arch = "transformer", args = ["--no-such-option"] }}]
 max_update = 2
 beam = 1
+""" + DECODING + """
 [corpus]
 dir = "{corpus}"
 """
@@ -80,7 +82,7 @@ def test_parallel_runs_give_the_same_results_as_one_at_a_time(tmp_path, corpus):
     for jobs in (1, 2):
         work, config = tmp_path / f"jobs{jobs}", tmp_path / f"jobs{jobs}.toml"
         config.write_text(f'work_dir = "{work}"\nsystems = ["transformer", "MLMHA M-00"]\nmax_update = 3\n'
-                          f'beam = 1\n[corpus]\ndir = "{corpus}"\n')
+                          f'beam = 1\n{DECODING}\n[corpus]\ndir = "{corpus}"\n')
         assert experiment.main([str(config), "--jobs", str(jobs), "--threads", "1", "--ar-trials", "10",
                                 "--bootstrap-samples", "10"]) == 0
         trainings = [line for line in commands(work) if "fairseq_cli.train" in line]
@@ -95,7 +97,7 @@ def test_a_bf16_grid_trains_through_the_packages_trainer_in_bf16(tmp_path, corpu
     """fairseq-train's command line turns ``--bf16`` into ``--tpu`` (which fails without
     torch_xla): with ``--bf16`` the runner trains through ``mlmha_fairseq.cli.train``."""
     work, config = tmp_path / "work", tmp_path / "bf16.toml"
-    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 2\nbeam = 1\n'
+    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 2\nbeam = 1\n{DECODING}\n'
                       f'train_args = ["--bf16"]\n[corpus]\ndir = "{corpus}"\n')
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     trainings = [line for line in commands(work) if " -m mlmha_fairseq.cli.train " in line]
@@ -119,7 +121,7 @@ def _processes_mentioning(text: str):
 
 def test_a_killed_runner_takes_its_training_with_it_and_a_rerun_resumes_within_the_budget(tmp_path, corpus):
     work, config = tmp_path / "work", tmp_path / "grid.toml"
-    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 30\nbeam = 1\n'
+    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 30\nbeam = 1\n{DECODING}\n'
                       f'save_interval_updates = 1\n[corpus]\ndir = "{corpus}"\n')
     run_dir = work / "runs" / "transformer--fairseq" / "seed1"
     process = subprocess.Popen([sys.executable, "-m", "mlmha_fairseq.cli.experiment", str(config)],

@@ -7,14 +7,14 @@ import shutil
 
 import pytest
 
-from fairseq_helpers import results_rows, run_fairseq
+from fairseq_helpers import DECODING, results_rows, run_fairseq
 from fixtures.tiny_bible import BPE_MERGES
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.errors import UsageError
 from test_demo import tiny_corpus
 
 SPLITS = ("train", "valid", "test")
-GRID = 'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 3\nbeam = 1\n[corpus]\n{corpus}\n'
+GRID = 'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 3\nbeam = 1\n' + DECODING + '\n[corpus]\n{corpus}\n'
 ARGS = ["--ar-trials", "10", "--bootstrap-samples", "10", "--threads", "1"]
 
 
@@ -123,7 +123,7 @@ def test_a_multi_source_table_and_curves_on_n_way_data(tmp_path):
     with learning curves: the multi-source task validates by BLEU as the translation task."""
     corpus = tiny_corpus(tmp_path, "es", "fr")
     config = tmp_path / "grid.toml"
-    config.write_text(f'work_dir = "{tmp_path / "work"}"\nmax_update = 2\nbeam = 1\nbatch_size = 8\nsystems = [\n'
+    config.write_text(f'work_dir = "{tmp_path / "work"}"\nmax_update = 2\nbeam = 1\n{DECODING}\nbatch_size = 8\nsystems = [\n'
                       '  { name = "fr only", strategy = "serial", sources = ["fr"] },\n'
                       '  { name = "es+fr hierarchical", strategy = "hierarchical", sources = ["es", "fr"] }]\n'
                       '[convergence]\nvalidate_every = 1\npatience = 5\n'

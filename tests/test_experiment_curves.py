@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from fairseq_helpers import DECODING
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments import curves, grid, systems
@@ -123,6 +124,7 @@ systems = ["transformer"]
 max_update = 80
 max_tokens = 400
 beam = 1
+""" + DECODING + """
 [convergence]
 validate_every = 4
 patience = 2

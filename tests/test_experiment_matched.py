@@ -7,7 +7,7 @@ import re
 import pytest
 from fairseq.data import Dictionary
 
-from fairseq_helpers import TINY_MODEL_ARGS, build_model
+from fairseq_helpers import DECODING, TINY_MODEL_ARGS, build_model
 
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.errors import UsageError
@@ -114,6 +114,7 @@ systems = ["transformer", "MLMHA M-00"]
 matched = ["mlmha M-00"]
 max_update = 2
 beam = 1
+""" + DECODING + """
 [corpus]
 dir = "{corpus}"
 """

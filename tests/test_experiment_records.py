@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from fairseq_helpers import DECODING
 from mlmha_fairseq.cli import experiment
 
 GRID = """
@@ -13,6 +14,7 @@ seeds = 2
 systems = ["transformer", "MLMHA M-00"]
 max_update = 4
 beam = 1
+""" + DECODING + """
 [convergence]
 validate_every = 2
 patience = 5

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from fairseq_helpers import results_rows
+from fairseq_helpers import DECODING, results_rows
 from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.experiments.slurm import JOB_FILE, queued_or_running
 
@@ -32,6 +32,7 @@ seeds = 2
 systems = ["transformer", "MLMHA M-00"]
 max_update = 3
 beam = 1
+""" + DECODING + """
 {launcher}
 [corpus]
 dir = "{corpus}"
