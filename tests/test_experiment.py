@@ -432,3 +432,17 @@ def test_progress_of_a_resumed_run_counts_from_its_checkpoint_not_the_earlier_at
     assert "2850/8000 updates" in line
     # 50 updates in 60 s (and the few ms since): the 5,150 left take 103 minutes
     assert re.search(rf"remaining {bound}~(\d+)m\d\ds \(training\)$", line).group(1) == "103"
+
+
+def test_the_other_ranks_of_a_data_parallel_run_follow_only_this_attempt(tmp_path):
+    """A data-parallel run's tasks > 0 run what the first task publishes for this start of the
+    job (experiments/slurm.py): never an earlier start's command, and nothing once it says so."""
+    run = grid.Run(systems.lookup("transformer"), 1, str(tmp_path))
+    settings = grid.Settings("data-bin", "en", 3, data_parallel=grid.DataParallel(2, 12345, "7.1"))
+    earlier = grid.Settings("data-bin", "en", 3, data_parallel=grid.DataParallel(2, 12345, "7.0"))
+    grid.publish_training(run, earlier, {"command": ["false"], "resumed_to_converge": False})
+    assert grid.published_training(run, settings) == (False, None)
+    grid.publish_training(run, settings, None)
+    assert grid.published_training(run, settings) == (True, None)
+    grid.follow_training(run, settings, 1, str(tmp_path), wait_seconds=0)  # returns: nothing to train
+    assert not (tmp_path / "logs").exists()

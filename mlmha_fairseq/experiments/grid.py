@@ -512,19 +512,25 @@ def publish_training(run: Run, settings: Settings, training: Optional[Dict]) -> 
                                                         "training": training}) + "\n")
 
 
+def published_training(run: Run, settings: Settings) -> Tuple[bool, Optional[Dict]]:
+    """Whether the first rank published this attempt's training yet, and what it published."""
+    try:
+        with open(run.path(TRAINING_FILE), encoding="utf-8") as handle:
+            published = json.load(handle)
+    except (OSError, ValueError):  # not yet written, or an earlier attempt's being replaced
+        return False, None
+    if published.get("attempt") != settings.data_parallel.attempt:
+        return False, None
+    return True, published["training"]
+
+
 def follow_training(run: Run, settings: Settings, rank: int, work_dir: str, wait_seconds: float = 1.0) -> None:
     """A data-parallel run's rank > 0: wait for the first rank's command of this attempt
     (:func:`publish_training`) and run it with its own log, ``logs/train.rank<r>.log``."""
-    while True:
-        try:
-            with open(run.path(TRAINING_FILE), encoding="utf-8") as handle:
-                published = json.load(handle)
-        except (OSError, ValueError):  # not yet written
-            published = None
-        if published and published["attempt"] == settings.data_parallel.attempt:
-            break
+    published, training = published_training(run, settings)
+    while not published:
         time.sleep(wait_seconds)
-    training = published["training"]
+        published, training = published_training(run, settings)
     if training is None:
         logger.info("  %s: rank %d: the first rank trains nothing in this attempt", run.name, rank)
         return
@@ -651,6 +657,8 @@ def execute(run: Run, settings: Settings, references: List[str], work_dir: str, 
         write_text(run.path(RUN_SETTINGS), json.dumps(run_settings(run, settings, references), indent=2) + "\n")
     if not os.path.isfile(run.path("train.done")):
         train(run, settings, work_dir, on_poll)
+    else:
+        publish_training(run, settings, None)
     checkpoint = checkpoint_to_decode(run, settings)
     hypotheses = detokenized(decode(run, settings, checkpoint, run.path("generate"), work_dir),
                              settings.target if settings.detokenize else None)

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.grid import (Grid, Run, Settings, attempt_progress, execute, follow_training,
-                                            slug)
+                                            publish_training, published_training, slug)
 from mlmha_fairseq.output_files import exclusive_folder
 
 logger = logging.getLogger("mlmha_fairseq.experiment")
@@ -94,7 +94,12 @@ class RunJob:
             if task.global_rank > 0:
                 return follow_training(self.run, settings, task.global_rank, self.work_dir)
         with exclusive_folder(self.run.directory, "run folder"):
-            return execute(self.run, settings, self.references, self.work_dir)
+            try:
+                return execute(self.run, settings, self.references, self.work_dir)
+            except BaseException:
+                if settings.data_parallel and not published_training(self.run, settings)[0]:
+                    publish_training(self.run, settings, None)  # the other ranks stop waiting
+                raise
 
     def checkpoint(self, *args, **kwargs):
         import submitit
