@@ -40,6 +40,16 @@ dir = "{corpus}"
 ARGS = ["--ar-trials", "20", "--bootstrap-samples", "20"]
 
 
+def cancel(job_id: str) -> None:
+    """scancel, and wait until Slurm no longer lists the job: a runner started before then would
+    find it still running and wait for it rather than resubmit its run."""
+    subprocess.run(["scancel", job_id], check=True)
+    deadline = time.time() + 60
+    while queued_or_running(job_id):
+        assert time.time() < deadline, f"job {job_id} still queued after scancel"
+        time.sleep(1)
+
+
 def test_a_grid_through_slurm_with_a_cancelled_job_resubmitted_equals_a_local_run(tmp_path, corpus):
     slurm_work, local_work = tmp_path / "slurm", tmp_path / "local"
     launcher = '[launcher]\ncpus_per_run = 1\ntime_min = 10\nwait = {wait}'
@@ -51,11 +61,7 @@ def test_a_grid_through_slurm_with_a_cancelled_job_resubmitted_equals_a_local_ru
     jobs = sorted(slurm_work.glob(f"runs/*/seed*/{JOB_FILE}"))
     assert len(jobs) == 4
     cancelled = (slurm_work / "runs" / "mlmha-m-00" / "seed2" / JOB_FILE).read_text().strip()
-    subprocess.run(["scancel", cancelled], check=True)
-    deadline = time.time() + 60
-    while queued_or_running(cancelled):
-        assert time.time() < deadline, f"job {cancelled} still queued after scancel"
-        time.sleep(1)
+    cancel(cancelled)
 
     assert experiment.main([str(collect), *ARGS]) == 0  # resubmits the cancelled run, waits for all
     resubmitted = (slurm_work / "runs" / "mlmha-m-00" / "seed2" / JOB_FILE).read_text().strip()
@@ -82,8 +88,10 @@ def test_a_run_over_two_slurm_tasks_resumes_and_equals_torchrun_over_two_ranks(t
     run = work / "runs" / "transformer--fairseq" / "seed1"
 
     assert experiment.main([str(submit_only), *ARGS]) == 0
-    subprocess.run(["scancel", (run / JOB_FILE).read_text().strip()], check=True)
+    cancelled = (run / JOB_FILE).read_text().strip()
+    cancel(cancelled)
     assert experiment.main([str(collect), *ARGS]) == 0
+    assert (run / JOB_FILE).read_text().strip() != cancelled  # resubmitted
     assert (run / "scores.json").is_file()
     assert "distributed init (rank 1)" in (run / "logs" / "train.rank1.log").read_text()
     assert json.loads((run / "run.json").read_text())["data-parallel ranks"] == 2

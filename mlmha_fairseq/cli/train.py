@@ -37,6 +37,7 @@ from fairseq.distributed import utils as distributed_utils
 from fairseq_cli import train
 
 import mlmha_fairseq
+from mlmha_fairseq.child_processes import end_with_parent
 from mlmha_fairseq.cli import _support as cli_support
 from mlmha_fairseq.errors import UsageError
 
@@ -110,7 +111,7 @@ def slurm_cpu_rank(args) -> None:
                          "first node")
     try:
         first = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
-                               check=True).stdout.split()[0]
+                               check=True, preexec_fn=end_with_parent).stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError) as error:
         raise UsageError(f"scontrol show hostnames {nodes} failed ({error}): a --cpu run under srun needs Slurm's "
                          "scontrol to find its first node") from None
