@@ -2,7 +2,7 @@
 #   make test   create .venv if needed, install everything, run the test suite
 #   make demo   same set-up, then the main job (train, decode, score)
 #   make security  the exhaustive checkpoint-payload sweep (minutes; not in CI)
-#   make exhaustive  every exhaustive sweep: the payloads and every variant's ensemble (not in CI)
+#   make exhaustive  every exhaustive sweep: the payloads, every variant's ensemble and preset's training (not in CI)
 #   make mutation  mutation testing of the mechanism code (hours on 2 cores; not in CI;
 #                  docs/testing.md), e.g. make mutation MUTANTS='mlmha_fairseq.modules.dual_contextual*'
 #   make experiment   a grid of systems x seeds from a TOML file (EXPERIMENT=...)

@@ -23,7 +23,7 @@ def tiny_corpus(tmp_path, *sources):
 
 def test_demo_trains_decodes_scores_and_tests_significance(tmp_path, capsys):
     demo.main(["--work-dir", str(tmp_path / "work"), "--corpus-dir", tiny_corpus(tmp_path, "fr"),
-               "--max-update", "2", "--beam", "1"])
+               "--max-update", "2", "--beam", "1", "--max-len", "20"])
     stage = json.loads((tmp_path / "work" / "results.json").read_text())["stages"]["fr->en"]
     systems = [system.name for system in demo.SYSTEMS if not system.full_only]
     assert list(stage["bleu"]) == systems
@@ -31,13 +31,15 @@ def test_demo_trains_decodes_scores_and_tests_significance(tmp_path, capsys):
     assert stage["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     printed = capsys.readouterr().out
     assert "| system | BLEU |" in printed and "Example translations" in printed
+    decodes = [line for line in (tmp_path / "work" / "commands.log").read_text().splitlines() if "generate" in line]
+    assert decodes and all(" --max-len-a 0 --max-len-b 20 " in line for line in decodes)
 
 
 def test_multi_source_table_with_every_source_deranged_in_turn(tmp_path):
     """The baseline and one strategy (the strategies' round trips: tests/test_multi_source.py)."""
     demo.main(["--multi-source-only", "--work-dir", str(tmp_path / "work"), "--multi-source-langs", "es,fr",
                "--multi-source-corpus-dir", tiny_corpus(tmp_path, "es", "fr"),
-               "--max-update", "2", "--beam", "1", "--systems", "fr only,es+fr flat"])
+               "--max-update", "2", "--beam", "1", "--max-len", "20", "--systems", "fr only,es+fr flat"])
     stages = json.loads((tmp_path / "work" / "results.json").read_text())["stages"]
     assert list(stages) == ["es+fr->en"]
     multi = stages["es+fr->en"]

@@ -121,7 +121,7 @@ def _processes_mentioning(text: str):
 
 def test_a_killed_runner_takes_its_training_with_it_and_a_rerun_resumes_within_the_budget(tmp_path, corpus):
     work, config = tmp_path / "work", tmp_path / "grid.toml"
-    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 30\nbeam = 1\n{DECODING}\n'
+    config.write_text(f'work_dir = "{work}"\nsystems = ["transformer"]\nmax_update = 16\nbeam = 1\n{DECODING}\n'
                       f'save_interval_updates = 1\n[corpus]\ndir = "{corpus}"\n')
     run_dir = work / "runs" / "transformer--fairseq" / "seed1"
     process = subprocess.Popen([sys.executable, "-m", "mlmha_fairseq.cli.experiment", str(config)],
@@ -144,9 +144,9 @@ def test_a_killed_runner_takes_its_training_with_it_and_a_rerun_resumes_within_t
     loaded = re.search(r"Loaded checkpoint .* @ (\d+) updates\)", _text(run_dir / "logs" / "train.log"))
     assert loaded, "the second attempt did not resume"
     # the second attempt counts from the checkpoint fairseq restored, not from the first's log
-    assert grid.attempt_progress(str(run_dir / "logs" / "train.log")) == (int(loaded.group(1)), 30)
+    assert grid.attempt_progress(str(run_dir / "logs" / "train.log")) == (int(loaded.group(1)), 16)
     assert int(loaded.group(1)) > 0
-    assert grid.last_update(str(run_dir / "logs" / "train.log")) == 30
+    assert grid.last_update(str(run_dir / "logs" / "train.log")) == 16
     assert (run_dir / "scores.json").exists()
 
     # stopped after training, before it was recorded: the checkpoint holds the budget already
@@ -155,7 +155,7 @@ def test_a_killed_runner_takes_its_training_with_it_and_a_rerun_resumes_within_t
     (run_dir / "scores.json").unlink()
     assert experiment.main(arguments) == 0
     assert sum("fairseq_cli.train" in line for line in commands(work)) == trainings
-    assert grid.last_update(str(run_dir / "logs" / "train.log")) == 30
+    assert grid.last_update(str(run_dir / "logs" / "train.log")) == 16
 
 
 def test_a_work_directory_in_use_is_refused_naming_its_holder(tmp_path, corpus, capsys):
@@ -377,7 +377,8 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     are trained once for all, unless it keeps every update checkpoint for an analysis over
     training (mlrf-fusion-weights.toml: its own budget and folder, the convergence grid's corpus
     folder); grids that share a work directory (convergence.toml and its two parts) share every
-    setting but the systems, so their runs are the same runs."""
+    setting but the systems, so their runs are the same runs; a grid on another language pair has
+    the demo's settings in a folder of its own."""
     demo = load_config(os.path.join(EXAMPLES, "demo.toml"))
     loaded = load_config(os.path.join(EXAMPLES, config))
     assert loaded.systems[0].name == "Transformer (fairseq)"
@@ -387,6 +388,14 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
             os.path.join(EXAMPLES, other)).work_dir == loaded.work_dir] == []
         return
     assert loaded.seeds == [1, 2, 3]
+    if loaded.corpus.get("sources") != demo.corpus["sources"]:  # another pair (de-en-400.toml): its own folder
+        assert {key: value for key, value in loaded.corpus.items() if key != "sources"} == {
+            key: value for key, value in demo.corpus.items() if key != "sources"}
+        for key in ("max_update", "max_tokens", "beam"):
+            assert loaded.settings[key] == demo.settings[key], key
+        assert [other for other in os.listdir(EXAMPLES) if other != config and load_config(
+            os.path.join(EXAMPLES, other)).work_dir == loaded.work_dir] == []
+        return
     assert {key: value for key, value in loaded.corpus.items() if key != "dir"} == demo.corpus
     for key in ("max_tokens", "beam"):
         assert loaded.settings[key] == demo.settings[key], key

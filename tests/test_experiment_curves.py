@@ -176,7 +176,9 @@ def stopped_attempt_with_an_unbeatable_first_validation(config, work, cap: int, 
     return log
 
 
-@pytest.mark.parametrize("metric", ["bleu", "loss"])
+# CI trains the default metric's case; the count itself is unit-tested for both metrics
+# (test_validations_since_best_*); `make exhaustive` trains the loss case too
+@pytest.mark.parametrize("metric", ["bleu", pytest.param("loss", marks=pytest.mark.exhaustive)])
 def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric):
     """fairseq-train counts --patience afresh after a resume; the runner stops the resumed run
     where an uninterrupted one would have stopped: ``patience`` validations after the best of

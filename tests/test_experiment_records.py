@@ -2,6 +2,7 @@
 split over two "machines" (work directories that share nothing but the records folder) reports
 every run on a third one that trained nothing; a record of another corpus is refused."""
 import json
+import shutil
 
 import pytest
 
@@ -29,21 +30,41 @@ def trainings(work):
     return sum("fairseq_cli.train" in line for line in (work / "commands.log").read_text().splitlines())
 
 
-@pytest.fixture
-def grid_config(tmp_path, corpus):
-    config = tmp_path / "grid.toml"
+@pytest.fixture(scope="module")
+def grid_config(tmp_path_factory, corpus):
+    config = tmp_path_factory.mktemp("grid") / "grid.toml"
     config.write_text(GRID.format(work="unused", corpus=corpus))
     return config
 
 
-def test_a_grid_split_over_two_machines_reports_every_recorded_run_on_a_third(tmp_path, grid_config, capsys):
-    records = tmp_path / "records"
+@pytest.fixture(scope="module")
+def seed1_once(tmp_path_factory, grid_config):
+    """Seed 1 of the grid trained once, with its records: (work, records)."""
+    root = tmp_path_factory.mktemp("seed1")
+    records, work = root / "records", root / "work"
     records.mkdir()
-    machines = {name: tmp_path / name for name in ("a", "b", "c")}
-    for name, seeds in (("a", "1-1"), ("b", "2-2")):
-        assert experiment.main([str(grid_config), "--work-dir", str(machines[name]), "--seeds", seeds,
-                                "--records", str(records), *FAST]) == 0
-        assert trainings(machines[name]) == 2  # its own seed of both systems, nothing restored
+    assert experiment.main([str(grid_config), "--work-dir", str(work), "--seeds", "1-1", "--records", str(records),
+                            *FAST]) == 0
+    return work, records
+
+
+@pytest.fixture
+def seed1_trained(tmp_path, seed1_once):
+    """A copy of :func:`seed1_once`'s work directory and records for this test to change."""
+    copies = tmp_path / "work", tmp_path / "records"
+    for trained, copy in zip(seed1_once, copies):
+        shutil.copytree(trained, copy, symlinks=True)
+    return copies
+
+
+def test_a_grid_split_over_two_machines_reports_every_recorded_run_on_a_third(tmp_path, grid_config, seed1_trained,
+                                                                              capsys):
+    machine_a, records = seed1_trained  # machine a trained seed 1 into the records
+    machines = {"a": machine_a, "b": tmp_path / "b", "c": tmp_path / "c"}
+    assert experiment.main([str(grid_config), "--work-dir", str(machines["b"]), "--seeds", "2-2",
+                            "--records", str(records), *FAST]) == 0
+    for machine in ("a", "b"):
+        assert trainings(machines[machine]) == 2  # its own seed of both systems, nothing restored
     for run in RUNS:
         for seed, machine in ((1, machines["a"]), (2, machines["b"])):
             trained, recorded = machine / "runs" / run / f"seed{seed}", records / run / f"seed{seed}"
@@ -74,11 +95,9 @@ def test_a_grid_split_over_two_machines_reports_every_recorded_run_on_a_third(tm
     assert not (machines["c"] / "commands.log").exists()
 
 
-def test_a_half_trained_run_is_replaced_by_its_record(tmp_path, grid_config):
-    records, work = tmp_path / "records", tmp_path / "work"
-    records.mkdir()
+def test_a_half_trained_run_is_replaced_by_its_record(grid_config, seed1_trained):
+    work, records = seed1_trained
     args = [str(grid_config), "--work-dir", str(work), "--seeds", "1-1", *FAST]
-    assert experiment.main(args + ["--records", str(records)]) == 0
     run = work / "runs" / "transformer--fairseq" / "seed1"
     recorded_log = (run / "logs" / "train.log").read_bytes()
     (run / "scores.json").unlink()  # as if it had been stopped before its test scores
@@ -88,11 +107,9 @@ def test_a_half_trained_run_is_replaced_by_its_record(tmp_path, grid_config):
     assert trainings(work) == 2  # the first round's two runs, nothing more
 
 
-def test_a_record_of_another_corpus_is_refused_in_one_line_before_anything_is_copied(tmp_path, grid_config, capsys):
-    records, work = tmp_path / "records", tmp_path / "work"
-    records.mkdir()
-    assert experiment.main([str(grid_config), "--work-dir", str(work), "--seeds", "1-1", "--records", str(records),
-                            *FAST]) == 0
+def test_a_record_of_another_corpus_is_refused_in_one_line_before_anything_is_copied(tmp_path, grid_config,
+                                                                                     seed1_trained, capsys):
+    _, records = seed1_trained
     about = records / "mlmha-m-00" / "seed1" / "record.json"
     about.write_text(json.dumps({"references_sha256": "0" * 64}))
     other = tmp_path / "other"
@@ -132,15 +149,13 @@ def test_bad_seed_ranges_are_refused_in_one_line(text, message, capsys):
 
 
 
-def test_runs_and_records_that_do_not_match_the_grid_are_refused_naming_them(tmp_path, grid_config, capsys):
+def test_runs_and_records_that_do_not_match_the_grid_are_refused_naming_them(tmp_path, grid_config, seed1_trained,
+                                                                             capsys):
     """A finished run rerun with other settings was skipped and labelled with the new ones; a
     truncated record was restored and failed later without its name; a symbolic link in the
     records folder was followed for writing."""
-    records, work = tmp_path / "records", tmp_path / "work"
-    records.mkdir()
+    work, records = seed1_trained
     args = [str(grid_config), "--work-dir", str(work), "--seeds", "1-1", "--records", str(records), *FAST]
-    assert experiment.main(args) == 0
-    capsys.readouterr()
 
     assert experiment.main(args + ["--max-update", "6"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -85,9 +85,21 @@ def test_the_trainings_stand_for_every_architecture_and_differ():
     assert len({repr(configuration(arch)) for arch in TRAINED}) == len(TRAINED)
     assert {"mlmha_transformer_iwslt", "mlmha_transformer_wmt_en_de", "mlmha_transformer_iwslt_post_norm",
             "ms_transformer_iwslt", "ms_transformer_iwslt_post_norm"} <= set(TRAINED)
+    assert EXHAUSTIVE_TRAININGS < set(TRAINED)
 
 
-@pytest.fixture(scope="module", params=list(TRAINED), ids=["=".join(group) for group in TRAINED.values()])
+# CI trains one configuration per mechanism and per layer-normalisation position of MLMHA and of
+# multi-level supervision; `make exhaustive` trains the other presets too.
+EXHAUSTIVE_TRAININGS = {
+    "layer_aggregation_transformer_iwslt_post_norm", "mlmha_transformer_iwslt_post_norm",
+    "mlmha_transformer_wmt_en_de", "mlrf_transformer_nist", "ms_transformer", "ms_transformer_iwslt_post_norm",
+    "ms_transformer_wmt_en_de",
+}
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(arch, id="=".join(group), marks=[pytest.mark.exhaustive] if arch in EXHAUSTIVE_TRAININGS else [])
+    for arch, group in TRAINED.items()])
 def trained(request, data_bin, tmp_path_factory):
     """(arch, checkpoint) after UPDATES updates of fairseq-train."""
     arch = request.param

@@ -105,6 +105,9 @@ def parse_args(argv=None):
                                  s.name for s in multi_source_systems(MULTI_SOURCE_LANGS)))
     parser.add_argument("--beam", type=cli_support.positive_int, default=4,
                         help="beam size of fairseq-generate (default: %(default)s)")
+    parser.add_argument("--max-len", type=cli_support.positive_int,
+                        help="end every hypothesis after at most this many tokens (fairseq-generate's "
+                             "--max-len-a 0 --max-len-b N; default: 1.2 x its source's length + 10)")
     parser.add_argument("--seed", type=int, default=1,
                         help="fairseq-train's --seed (with --seeds: the first) (default: %(default)s)")
     parser.add_argument("--seeds", type=cli_support.positive_int, default=1,
@@ -140,8 +143,9 @@ class Stage:
 
     def __init__(self, name: str, corpus: str, args, settings: dict, batching: Batching):
         self.name, self.args = name, args
+        max_len = [] if args.max_len is None else ["--max-len-a", "0", "--max-len-b", str(args.max_len)]
         self.settings = Settings(os.path.join(corpus, "data-bin"), TARGET, settings["max_update"], args.beam,
-                                 batching)
+                                 batching, generate_args=max_len)
         self.references = read_lines(os.path.join(corpus, "text", f"test.raw.{TARGET}"))
         self.sources = read_lines(os.path.join(corpus, "text", f"test.raw.{SOURCE}"))
         self.seeds = list(range(args.seed, args.seed + args.seeds))
@@ -295,7 +299,7 @@ def main(argv=None):
 
     write_text(os.path.join(args.work_dir, RESULTS_MD), "\n".join(reports))
     write_json(os.path.join(args.work_dir, RESULTS_JSON),
-               {"settings": dict(settings, seeds=args.seeds), "stages": {stage.name: stage.record for stage in stages}})
+               {"settings": dict(settings, seeds=args.seeds, max_len=args.max_len), "stages": {stage.name: stage.record for stage in stages}})
     logger.info("finished in %s; results in %s", minutes(time.time() - start),
                 os.path.join(args.work_dir, RESULTS_MD))
     if any(stage.failures for stage in stages):
