@@ -75,6 +75,11 @@ def test_the_count_is_the_corpus_vocabularys_and_the_name_says_the_width(tmp_pat
                                                       [mechanism.name], dictionaries(small, 60))
     assert [system.name for system in systems] == [BASELINE.name, "MMA", name, mechanism.name]
     assert pairs == {mechanism.name: name} and set(counts) == {BASELINE.name, name, mechanism.name}
+    # MMA has the Transformer's parameters: the Transformer is its matched baseline, no copy is trained
+    systems, pairs, counts = matching.matched_systems([BASELINE, lookup("MMA"), mechanism], BASELINE.name,
+                                                      ["MMA", mechanism.name], dictionaries(small, 60))
+    assert [system.name for system in systems] == [BASELINE.name, "MMA", name, mechanism.name]
+    assert pairs == {mechanism.name: name} and counts["MMA"] == counts[BASELINE.name]
 
 
 def test_a_mechanism_the_model_cannot_hold_is_refused_in_one_line(tmp_path):

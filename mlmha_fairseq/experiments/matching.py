@@ -172,12 +172,22 @@ def matched_name(mechanism: System, baseline: System, matched: System) -> str:
 def matched_systems(systems: Sequence[System], baseline: str, names: Sequence[str], settings: Settings,
                     by: str = "ffn") -> Tuple[List[System], Dict[str, str], Dict[str, int]]:
     """The grid's systems with a matched baseline before each system of ``names``; returns
-    (systems, {mechanism: its matched baseline's name}, {system name: parameter count})."""
+    (systems, {mechanism: its matched baseline's name}, {system name: parameter count}). A
+    mechanism whose count is already within :data:`TOLERANCE` of the baseline's (MMA, DLCL) gets
+    none: the baseline is its matched baseline, and a copy of it would only repeat its runs."""
     base = next(system for system in systems if system.name == baseline)
     result, pairs, counts = [], {}, {base.name: count_parameters(base, settings)}
     for system in systems:
         if system.name in names:
-            matched, count, target = matched_system(system, base, settings, by)
+            target = count_parameters(system, settings)
+            if abs(counts[base.name] - target) <= TOLERANCE * target:
+                logger.info("%s: %s parameters, within %.0f%% of %s's %s (%+.2f%%): no matched baseline to train, "
+                            "%s is one", system.name, f"{target:,}", 100 * TOLERANCE, base.name,
+                            f"{counts[base.name]:,}", 100 * (counts[base.name] - target) / target, base.name)
+                counts[system.name] = target
+                result.append(system)
+                continue
+            matched, count, target = matched_system(system, base, settings, by, target)
             matched = replace(matched, name=matched_name(system, base, matched), key="", demo=None,
                               test_options=None)
             logger.info("%s: %s parameters; %s: %s (%+.2f%%)", system.name, f"{target:,}", matched.name,
