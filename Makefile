@@ -9,6 +9,7 @@
 #   make compat   the fast tier on another Python x torch (PYTHON=python3.13 TORCH_SPEC=torch==2.15.0;
 #                 its own environment under .compat/, one line in docs/compat.tsv; not in CI)
 #   make results   rebuild RESULTS.md's tables from the run records in docs/experiment (no training)
+#   make results-check  the same in a temporary folder, compared byte for byte with the committed tables
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mlmha-installed
@@ -21,7 +22,7 @@ MUTANTS ?=
 EXPERIMENT ?= examples/experiment/demo.toml
 EXPERIMENT_ARGS ?=
 
-.PHONY: venv test demo experiment results mutation security exhaustive compat clean-venv
+.PHONY: venv test demo experiment results results-check mutation security exhaustive compat clean-venv
 
 venv: $(STAMP)
 
@@ -76,6 +77,11 @@ results: $(STAMP)
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-document-lr-fixed.toml --seeds 2-2 --work-dir $(RESULTS_WORK)/convergence-mlrf-document-lr-fixed --records docs/experiment/convergence-mlrf-document-lr-fixed/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/gpu-d128-dc.toml --work-dir $(RESULTS_WORK)/gpu-d128-dc --records docs/experiment/gpu-base/enc-dc/d128/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/gpu-base-dc-10k.toml --work-dir $(RESULTS_WORK)/gpu-base-dc-10k --records docs/experiment/gpu-base/enc-dc/10k/runs --report-only
+
+# `make results`, each grid rebuilt in a temporary folder: its results{,-curves}.md must equal the
+# committed ones byte for byte (tests/test_results_rebuild.py; also part of `make exhaustive`)
+results-check: $(STAMP)
+	MLMHA_EXHAUSTIVE=1 $(PY) -m pytest tests/test_results_rebuild.py $(PYTEST_ARGS)
 
 # PYTHON and TORCH_SPEC choose the combination (default: python3.11, torch==2.13.0), e.g.
 # PYTHON=/root/.pyenv/versions/3.13.0/bin/python3.13 TORCH_SPEC=torch==2.15.0 make compat
