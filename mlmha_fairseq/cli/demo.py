@@ -299,7 +299,8 @@ def main(argv=None):
 
     write_text(os.path.join(args.work_dir, RESULTS_MD), "\n".join(reports))
     write_json(os.path.join(args.work_dir, RESULTS_JSON),
-               {"settings": dict(settings, seeds=args.seeds, max_len=args.max_len), "stages": {stage.name: stage.record for stage in stages}})
+               {"settings": dict(settings, seeds=args.seeds, max_len=args.max_len),
+                "stages": {stage.name: stage.record for stage in stages}})
     logger.info("finished in %s; results in %s", minutes(time.time() - start),
                 os.path.join(args.work_dir, RESULTS_MD))
     if any(stage.failures for stage in stages):
