@@ -44,9 +44,11 @@ CASES = {
        for strategy in STRATEGIES},
 }
 # In CI, one ensemble per mechanism and its most involved variant; the other variants (the
-# rest of MLMHA's and layer aggregation's, two of the four strategies) with `make exhaustive`.
-EXHAUSTIVE_CASES = {"mlmha M-00", "mlmha M-01", "mlmha M-10", "aggregation s-agg", "aggregation iter-s-agg",
-                    "aggregation c-agg", "aggregation transparent", "multi_source parallel", "multi_source flat"}
+# rest of MLMHA's, layer aggregation's and MLRF's, two of the four strategies) and the plain slot
+# model, which every mechanism's case builds on, with `make exhaustive`.
+EXHAUSTIVE_CASES = {"slot_transformer", "mlmha M-00", "mlmha M-01", "mlmha M-10", "aggregation s-agg",
+                    "aggregation iter-s-agg", "aggregation c-agg", "aggregation transparent", "mlrf Enc-FNN",
+                    "multi_source parallel", "multi_source flat"}
 assert EXHAUSTIVE_CASES < CASES.keys(), EXHAUSTIVE_CASES - CASES.keys()
 SEEDS = (1, 2)
 # Training long enough that the models emit no <s> (fairseq-generate's text leaves it out, so a

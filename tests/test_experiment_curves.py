@@ -12,7 +12,6 @@ from mlmha_fairseq.cli import experiment
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments import curves, grid, systems
 from mlmha_fairseq.experiments.config import load_config
-from test_demo import tiny_corpus
 
 
 def write_log(run: grid.Run, validations):
@@ -133,9 +132,9 @@ dir = "{corpus}"
 """
 
 
-def test_a_run_stops_once_validation_bleu_has_not_improved_for_patience_evaluations(tmp_path):
+def test_a_run_stops_once_validation_bleu_has_not_improved_for_patience_evaluations(tmp_path, corpus):
     work, config = tmp_path / "work", tmp_path / "grid.toml"
-    config.write_text(CONVERGENCE.format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
+    config.write_text(CONVERGENCE.format(work=work, corpus=corpus))
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
     # fairseq's --patience: the run ends at the P-th validation after its best, before the cap
@@ -179,14 +178,14 @@ def stopped_attempt_with_an_unbeatable_first_validation(config, work, cap: int, 
 # CI trains the default metric's case; the count itself is unit-tested for both metrics
 # (test_validations_since_best_*); `make exhaustive` trains the loss case too
 @pytest.mark.parametrize("metric", ["bleu", pytest.param("loss", marks=pytest.mark.exhaustive)])
-def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric):
+def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, corpus, metric):
     """fairseq-train counts --patience afresh after a resume; the runner stops the resumed run
     where an uninterrupted one would have stopped: ``patience`` validations after the best of
     all its attempts in the convergence metric, once the last one's checkpoint is saved."""
     work, config = tmp_path / "work", tmp_path / "grid.toml"
     config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 400\nwarmup_updates = 10")
                       .replace("validate_every = 4", f'validate_every = 25\nmetric = "{metric}"')
-                      .format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
+                      .format(work=work, corpus=corpus))
     # the first attempt: one validation, at update 25, its metric made unbeatable: the next
     # attempt must stop two validations later, at update 75, where fairseq's own count (from
     # update 50, its first validation) cannot stop it yet
@@ -209,12 +208,12 @@ def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, metric
     assert (checkpoint["best_checkpoint_metric"], checkpoint["maximize_best_checkpoint_metric"]) == (metric, metric == "bleu")
 
 
-def test_patience_0_trains_to_the_cap_with_its_curve_resumed_or_not(tmp_path):
+def test_patience_0_trains_to_the_cap_with_its_curve_resumed_or_not(tmp_path, corpus):
     """A fixed budget: no --patience, and a resumed run whose best validation is far behind it
     (here made unbeatable) is neither skipped nor stopped by the runner's count."""
     work, config = tmp_path / "work", tmp_path / "grid.toml"
     config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 24").replace("patience = 2", "patience = 0")
-                      .format(work=work, corpus=tiny_corpus(tmp_path, "fr")))
+                      .format(work=work, corpus=corpus))
     log = stopped_attempt_with_an_unbeatable_first_validation(config, work, 8, "bleu")
 
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
