@@ -28,7 +28,8 @@ from mlmha_fairseq.output_files import atomic_output
 logger = logging.getLogger("mlmha_fairseq.experiment")
 
 # what the report reads of a finished run (scores.json last: with it, a run is finished)
-RECORDED = ("hypotheses.txt", os.path.join("logs", "train.log"), "scores.json")
+TRAIN_LOG = os.path.join("logs", "train.log")
+RECORDED = ("hypotheses.txt", TRAIN_LOG, "scores.json")
 ABOUT = "record.json"  # {"references_sha256": ...}
 
 
@@ -56,6 +57,18 @@ def _copy(source: str, destination: str, records: str) -> None:
     check_no_links(records, destination)
     with atomic_output(destination) as temporary:
         shutil.copyfile(source, temporary)
+
+
+def _copy_log(source: str, destination: str, records: str) -> None:
+    """The training log with the working directory's path removed where it names a file in it
+    (fairseq's warnings name the venv's files, its argument dump the ``--user-dir``): a record
+    that a repository keeps names no path of the machine that trained it. The report reads
+    none of those paths."""
+    check_no_links(records, destination)
+    with open(source, "rb") as handle:
+        text = handle.read().replace(os.path.join(os.getcwd(), "").encode(), b"")
+    with atomic_output(destination) as temporary, open(temporary, "wb") as handle:
+        handle.write(text)
 
 
 def check_record(folder: str, references: str, sentences: int) -> None:
@@ -87,7 +100,8 @@ def save(runs: Sequence[Run], records: str, references: str) -> int:
         write_text(os.path.join(folder, ABOUT), json.dumps({"references_sha256": checksum}, indent=2) + "\n")
         for name in RECORDED:
             if os.path.isfile(run.path(name)):
-                _copy(run.path(name), os.path.join(folder, name), records)
+                copy = _copy_log if name == TRAIN_LOG else _copy
+                copy(run.path(name), os.path.join(folder, name), records)
         saved += 1
     return saved
 
