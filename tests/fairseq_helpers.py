@@ -1,5 +1,6 @@
 """Shared test helpers: a tiny synthetic corpus, fairseq command-line runs, and models
 built in Python from fairseq's own argument parser."""
+import importlib.util
 import json
 import os
 import random
@@ -20,6 +21,9 @@ import fairseq_launcher
 import mlmha_fairseq
 
 USER_DIR = os.path.dirname(mlmha_fairseq.__file__)
+_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "reversal_corpus.py"
+reversal_corpus = importlib.util.module_from_spec(importlib.util.spec_from_file_location("reversal_corpus", _SCRIPT))
+reversal_corpus.__spec__.loader.exec_module(reversal_corpus)
 VOCAB = [f"w{i}" for i in range(24)]
 
 PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
@@ -35,14 +39,9 @@ TINY_MODEL_ARGS = [
 
 
 def write_reversal_corpus(directory: Path, sizes=(("train", 300), ("valid", 16), ("test", 16)), seed=0):
-    """A toy translation task (target = source reversed) in plain text files."""
-    rng = random.Random(seed)
-    for split, n in sizes:
-        with open(directory / f"{split}.src", "w") as src, open(directory / f"{split}.tgt", "w") as tgt:
-            for _ in range(n):
-                words = [rng.choice(VOCAB) for _ in range(rng.randint(3, 9))]
-                src.write(" ".join(words) + "\n")
-                tgt.write(" ".join(reversed(words)) + "\n")
+    """A toy translation task (target = source reversed, 3-9 words of VOCAB) in plain text
+    files: ``scripts/reversal_corpus.py``, which the Enc-DC shape study also uses."""
+    reversal_corpus.write(str(directory), sizes, len(VOCAB), 3, 9, seed)
 
 
 def run_fairseq(tool: str, *args, check=True, cwd=None, input=None, env=None, module=None, python=None):
