@@ -104,7 +104,7 @@ def test_a_half_trained_run_is_replaced_by_its_record(grid_config, seed1_trained
     work, records = seed1_trained
     args = [str(grid_config), "--work-dir", str(work), "--seeds", "1-1", *FAST]
     run = work / "runs" / "transformer--fairseq" / "seed1"
-    recorded_log = (run / "logs" / "train.log").read_bytes()
+    recorded_log = (records / "transformer--fairseq" / "seed1" / "logs" / "train.log").read_bytes()
     (run / "scores.json").unlink()  # as if it had been stopped before its test scores
     (run / "logs" / "train.log").write_text("a half-written attempt\n")
     assert experiment.main(args + ["--records", str(records)]) == 0

@@ -65,8 +65,11 @@ def _copy_log(source: str, destination: str, records: str) -> None:
     that a repository keeps names no path of the machine that trained it. The report reads
     none of those paths."""
     check_no_links(records, destination)
+    here = os.path.join(os.getcwd(), "")
     with open(source, "rb") as handle:
-        text = handle.read().replace(os.path.join(os.getcwd(), "").encode(), b"")
+        text = handle.read()
+    if here != os.sep:  # run from the file system's root, every path is under it: keep them
+        text = text.replace(here.encode(), b"")
     with atomic_output(destination) as temporary, open(temporary, "wb") as handle:
         handle.write(text)
 
