@@ -119,6 +119,39 @@ def test_bad_input_is_refused_in_one_line(checkpoint, data_bin, tmp_path, capsys
     assert not list(tmp_path.glob("out*"))
 
 
+@pytest.fixture(scope="module")
+def run_folder(data_bin, tmp_path_factory):
+    """A run's save directory with the update checkpoints of updates 1 and 2."""
+    save_dir = tmp_path_factory.mktemp("numerics-run")
+    run_fairseq("train", *train_args(data_bin, save_dir, "slot_transformer", "--save-interval-updates", "1",
+                                     "--keep-interval-updates", "-1", max_update=2))
+    return save_dir
+
+
+def test_a_save_directory_is_probed_as_a_series_in_update_order(run_folder, data_bin, tmp_path, capsys):
+    prefix, alone = tmp_path / "series", tmp_path / "alone"
+    numerics_cli.main([str(run_folder), "--names", "run", "--data-bin", str(data_bin), "--output-prefix", str(prefix)])
+    assert "run (update 2)" in capsys.readouterr().out
+    numerics_cli.main([str(run_folder / "checkpoint_1_2.pt"), "--data-bin", str(data_bin),
+                       "--output-prefix", str(alone)])
+    run = json.loads((tmp_path / "series.json").read_text())["models"]["run"]
+    assert run["run"] == str(run_folder)
+    assert [entry["update"] for entry in run["checkpoints"]] == [1, 2]
+    assert run["checkpoints"][1] == json.loads((tmp_path / "alone.json").read_text())["models"]["checkpoint_1_2.pt"]
+    assert run["checkpoints"][0]["modules"] != run["checkpoints"][1]["modules"]  # one update apart
+    lines = (tmp_path / "series.csv").read_text().splitlines()
+    assert lines[0].endswith(",update") and {line.rsplit(",", 1)[1] for line in lines[1:]} == {"1", "2"}
+    assert (tmp_path / "series-over-training.png").stat().st_size > 0
+    assert not (tmp_path / "series.png").exists()  # no single checkpoint to draw per module
+
+
+def test_a_folder_without_update_checkpoints_is_refused_in_one_line(checkpoint, data_bin, tmp_path, capsys):
+    line = cli_error(numerics_cli.main, [checkpoint.parent, "--names", "run", "--data-bin", data_bin,
+                                         "--output-prefix", tmp_path / "out"], capsys)
+    assert "no update checkpoints (checkpoint_EPOCH_UPDATE.pt" in line
+    assert not list(tmp_path.glob("out*"))
+
+
 def test_a_missing_checkpoint_is_refused_in_one_line(data_bin, tmp_path, capsys):
     line = cli_error(numerics_cli.main, [tmp_path / "missing.pt", "--data-bin", data_bin], capsys)
     assert "checkpoint not found" in line

@@ -12,23 +12,38 @@ checkpoint of an --fp16 run that stopped at the minimum loss scale beside the Tr
 
 writes PREFIX.csv (one row per checkpoint and module), PREFIX.json (the modules and the
 gradient norm per layer) and PREFIX.png (headroom per module, gradient norm per layer).
+
+A save directory instead of a checkpoint stands for a run's series: its update checkpoints
+(checkpoint_EPOCH_UPDATE.pt, kept with --keep-interval-updates -1) in update order, and
+PREFIX-over-training.png draws each run's least headroom against the updates::
+
+    python -m mlmha_fairseq.cli.numerics mlrf/checkpoints transformer/checkpoints \
+        --names mlrf transformer --data-bin data-bin --output-prefix results/numerics
 """
+import os
+import re
+from typing import Dict, List, Tuple
+
 from mlmha_fairseq.cli import _support as cli_support
-from mlmha_fairseq.evaluation.model_loading import load_model_and_state
+from mlmha_fairseq.evaluation.model_loading import load_model_and_state, trained_updates
 from mlmha_fairseq.evaluation.numerics import (
-    FP16_MAX, FP16_SMALLEST_SUBNORMAL, plot_numerics, probe_numerics,
+    FP16_MAX, FP16_SMALLEST_SUBNORMAL, Numerics, plot_headroom_over_training, plot_numerics, probe_numerics,
 )
 from mlmha_fairseq.evaluation.source_dependence import DEFAULT_MAX_TOKENS
 from mlmha_fairseq.evaluation.text_io import InputError, write_csv, write_json
 
 DEFAULT_SPLIT = "valid"
 DEFAULT_MAX_BATCHES = 10
+INTERVAL_CHECKPOINT = re.compile(r"checkpoint_\d+_(\d+)\.pt")
 
 
 def build_parser():
     parser = cli_support.make_parser(__spec__.name, __doc__)
-    parser.add_argument("checkpoints", nargs="+", help="fairseq checkpoints of this package's models")
-    parser.add_argument("--names", nargs="+", help="one name per checkpoint (default: the file names)")
+    parser.add_argument("checkpoints", nargs="+",
+                        help="fairseq checkpoints of this package's models, or save directories (a run's "
+                             "update checkpoints, probed in update order)")
+    parser.add_argument("--names", nargs="+", help="one name per checkpoint or directory (default: the file "
+                                                   "names)")
     parser.add_argument("--data-bin", help="binarized data directory with the dictionaries and --split "
                                            "(default: the one stored in the checkpoint)")
     parser.add_argument("--split", default=DEFAULT_SPLIT, help="the split whose batches are probed "
@@ -51,25 +66,53 @@ def samples(task, split: str, max_tokens: int):
                                    ignore_invalid_inputs=True).next_epoch_itr(shuffle=False)
 
 
+def interval_checkpoints(directory: str) -> List[Tuple[int, str]]:
+    """A save directory's update checkpoints (``checkpoint_EPOCH_UPDATE.pt``) by update."""
+    found = sorted((int(match.group(1)), os.path.join(directory, name)) for name in os.listdir(directory)
+                   if (match := INTERVAL_CHECKPOINT.fullmatch(name)))
+    if not found:
+        raise InputError(f"{directory}: no update checkpoints (checkpoint_EPOCH_UPDATE.pt, kept by fairseq-train's "
+                         "--save-interval-updates N --keep-interval-updates -1)")
+    return found
+
+
+def probe_checkpoint(args, name: str, checkpoint: str) -> Tuple[Numerics, Dict]:
+    """The probe of one checkpoint and its JSON entry; prints the least headroom."""
+    model, task, state = load_model_and_state(checkpoint, args.data_bin)
+    criterion = task.build_criterion(state["cfg"]["criterion"])
+    probed = probe_numerics(model, criterion, samples(task, args.split, args.max_tokens), args.max_batches)
+    update = trained_updates(state)
+    least = probed.least_headroom()
+    print(f"{name} (update {update}): {probed.batches} batches; least float16 headroom: {least['module']} "
+          f"(activation {_bits(least['activation_headroom_log2'])}, gradient "
+          f"{_bits(least['gradient_headroom_log2'])})", flush=True)
+    return probed, {"checkpoint": checkpoint, "update": update, "batches": probed.batches,
+                    "modules": probed.module_rows(), "layer_gradient_norms": probed.layer_rows()}
+
+
 def numerics(parser, args) -> None:
     names = cli_support.system_names(parser, args.checkpoints, args.names)
-    rows, results, models = [], {}, {}
-    for name, checkpoint in zip(names, args.checkpoints):
-        model, task, state = load_model_and_state(checkpoint, args.data_bin)
-        criterion = task.build_criterion(state["cfg"]["criterion"])
-        probed = probe_numerics(model, criterion, samples(task, args.split, args.max_tokens), args.max_batches)
-        models[name] = probed
-        rows.extend(dict(model=name, **row) for row in probed.module_rows())
-        results[name] = {"checkpoint": checkpoint, "batches": probed.batches, "modules": probed.module_rows(),
-                         "layer_gradient_norms": probed.layer_rows()}
-        least = probed.least_headroom()
-        print(f"{name}: {probed.batches} batches; least float16 headroom: {least['module']} (activation "
-              f"{_bits(least['activation_headroom_log2'])}, gradient {_bits(least['gradient_headroom_log2'])})")
+    runs = {name: interval_checkpoints(path) for name, path in zip(names, args.checkpoints) if os.path.isdir(path)}
+    rows, results, models, series = [], {}, {}, {}
+    for name, path in zip(names, args.checkpoints):
+        if name not in runs:
+            models[name], results[name] = probe_checkpoint(args, name, path)
+            rows.extend(dict(model=name, **row, update=results[name]["update"]) for row in models[name].module_rows())
+            continue
+        results[name], series[name] = {"run": path, "checkpoints": []}, []
+        for update, checkpoint in runs[name]:
+            probed, result = probe_checkpoint(args, name, checkpoint)
+            series[name].append((result["update"], probed))
+            results[name]["checkpoints"].append(result)
+            rows.extend(dict(model=name, **row, update=result["update"]) for row in probed.module_rows())
     write_csv(args.output_prefix + ".csv", rows)
     write_json(args.output_prefix + ".json", {"split": args.split, "fp16_max": FP16_MAX,
                                               "fp16_smallest_subnormal": FP16_SMALLEST_SUBNORMAL,
                                               "models": results})
-    plot_numerics(models, args.output_prefix + ".png")
+    if models:
+        plot_numerics(models, args.output_prefix + ".png")
+    if series:
+        plot_headroom_over_training(series, args.output_prefix + "-over-training.png")
 
 
 def _bits(headroom) -> str:

@@ -19,7 +19,7 @@ applies and whose norm it logs (``gnorm``).
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,8 @@ FP16_SMALLEST_NORMAL = torch.finfo(torch.float16).tiny  # 2^-14: below it fewer 
 # ``decoder.aux_decoders.0.layers.1``); other parameters are grouped by their module
 LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 PLOT_FLOOR_BITS = -8.0  # where the plot draws a value float16 cannot hold at all (inf, NaN)
+# fairseq's --fp16-init-scale (2^7): a gradient with less headroom overflows at the first update
+FAIRSEQ_INIT_SCALE_BITS = 7.0
 
 
 @dataclass
@@ -222,4 +224,26 @@ def plot_numerics(models: Dict[str, Numerics], path: str) -> None:
     norms.set_ylabel("gradient norm")
     norms.set_title("gradient norm per layer (per-token loss)", fontsize="medium")
     norms.legend(fontsize="small")
+    save_figure(figure, path)
+
+
+def plot_headroom_over_training(runs: Dict[str, Sequence[Tuple[int, Numerics]]], path: str) -> None:
+    """Per run, the least activation and gradient headroom over all modules at each
+    checkpoint's update (float16 overflows below the dashed line at 0; a gradient below the
+    dotted line overflows at fairseq's initial loss scale, 2^7)."""
+    plt = pyplot()
+    figure, (activations, gradients) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    for name, series in runs.items():
+        updates = [update for update, _numerics in series]
+        for axis, key in ((activations, "activation_headroom_log2"), (gradients, "gradient_headroom_log2")):
+            least = [min(_bits(row[key]) for row in numerics.module_rows()) for _update, numerics in series]
+            axis.plot(updates, [_plotted(None if bits == math.inf else bits) for bits in least], marker=".",
+                      label=name)
+    gradients.axhline(FAIRSEQ_INIT_SCALE_BITS, linestyle=":", color="grey", label="fairseq's initial loss scale")
+    for axis, title in ((activations, "activations"), (gradients, "gradients (summed loss, loss scale 1)")):
+        axis.axhline(0, linestyle="--", color="grey")
+        axis.set_xlabel("updates")
+        axis.set_ylabel("least log2(65,504 / max |value|)")
+        axis.set_title(f"float16 headroom of {title}", fontsize="medium")
+        axis.legend(fontsize="small")
     save_figure(figure, path)
