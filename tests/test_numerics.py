@@ -52,6 +52,23 @@ def test_maxima_equal_a_forward_and_backward_computed_by_hand():
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # left zeroed
 
 
+def test_parameter_gradient_maxima_equal_the_hand_computed_ones():
+    model, x = toy()
+    w2 = model[2].weight
+    with torch.no_grad():
+        hidden = x @ model[0].weight.T + model[0].bias
+        active = hidden.clamp(min=0)
+        grad_y = 2 * (active @ w2.T + model[2].bias)
+        grad_hidden = (grad_y @ w2) * (hidden > 0)
+    records = probe_numerics(model, square_loss, [x, x]).modules
+    # each batch's own gradients (zeroed in between), not their sum over the two batches
+    for name, gradients in (("0", (grad_hidden.T @ x, grad_hidden.sum(dim=0))),
+                            ("2", (grad_y.T @ active, grad_y.sum(dim=0)))):
+        expected = max(gradient.abs().max().item() for gradient in gradients)
+        assert records[name].max_parameter_gradient == pytest.approx(expected, rel=1e-6)
+    assert records["1"].max_parameter_gradient == 0.0  # ReLU has no parameters
+
+
 def test_headroom_and_underflow_margin_in_bits():
     assert headroom_bits(FP16_MAX / 8) == pytest.approx(3.0)
     assert headroom_bits(FP16_MAX * 2) == pytest.approx(-1.0)  # float16 overflows: inf

@@ -1,6 +1,6 @@
-r"""Float16 headroom of checkpoints on real batches: per module the largest |activation| and
-|gradient| against float16's largest value (65,504) and the smallest nonzero |activation|
-against its smallest subnormal (2^-24); per layer the gradient norm.
+r"""Float16 headroom of checkpoints on real batches: per module the largest |activation|,
+|gradient| and |parameter gradient| against float16's largest value (65,504) and the smallest
+nonzero |activation| against its smallest subnormal (2^-24); per layer the gradient norm.
 
 The training loss is the checkpoint's own criterion, teacher-forced, on batches of a
 binarized split (see mlmha_fairseq.evaluation.numerics for what each number is). Example, a
@@ -85,7 +85,8 @@ def probe_checkpoint(args, name: str, checkpoint: str) -> Tuple[Numerics, Dict]:
     least = probed.least_headroom()
     print(f"{name} (update {update}): {probed.batches} batches; least float16 headroom: {least['module']} "
           f"(activation {_bits(least['activation_headroom_log2'])}, gradient "
-          f"{_bits(least['gradient_headroom_log2'])})", flush=True)
+          f"{_bits(least['gradient_headroom_log2'])}, parameter gradient "
+          f"{_bits(least['parameter_gradient_headroom_log2'])})", flush=True)
     return probed, {"checkpoint": checkpoint, "update": update, "batches": probed.batches,
                     "modules": probed.module_rows(), "layer_gradient_norms": probed.layer_rows()}
 

@@ -1,10 +1,12 @@
 """Float16 headroom of a model's activations and gradients on real batches.
 
-For every named module, over the batches: the largest ``|activation|`` (its outputs) and
-``|gradient|`` (of the training loss with respect to those outputs), their headroom to float16's
-largest value (65,504) as ``log2(65,504 / max)``, and the smallest nonzero ``|activation|``
-against float16's smallest subnormal (2^-24, below which a value rounds to 0) as
-``log2(min / 2^-24)``; per layer, the gradient norm of its parameters. A headroom below 0 is a
+For every named module, over the batches: the largest ``|activation|`` (its outputs),
+``|gradient|`` (of the training loss with respect to those outputs) and ``|parameter gradient|``
+(of its own parameters: what ``--fp16`` stores in float16 before the optimizer step, summed over
+the batch's tokens and, for a shared matrix such as a tied embedding, over its uses), their
+headroom to float16's largest value (65,504) as ``log2(65,504 / max)``, and the smallest
+nonzero ``|activation|`` against float16's smallest subnormal (2^-24, below which a value
+rounds to 0) as ``log2(min / 2^-24)``; per layer, the gradient norm of its parameters. A headroom below 0 is a
 value that float16 cannot hold: in ``--fp16`` training an inf or NaN, and an overflow that
 fairseq's loss scaler cannot remove once the loss scale is below 1.
 
@@ -36,6 +38,9 @@ LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 PLOT_FLOOR_BITS = -8.0  # where the plot draws a value float16 cannot hold at all (inf, NaN)
 # fairseq's --fp16-init-scale (2^7): a gradient with less headroom overflows at the first update
 FAIRSEQ_INIT_SCALE_BITS = 7.0
+HEADROOMS = {"activation_headroom_log2": "activations",
+             "gradient_headroom_log2": "activation gradients (summed loss, loss scale 1)",
+             "parameter_gradient_headroom_log2": "parameter gradients (the same)"}
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ModuleNumerics:
     max_activation: float = 0.0
     min_nonzero_activation: float = math.inf
     max_gradient: float = 0.0
+    max_parameter_gradient: float = 0.0
 
     def add_activation(self, tensor: Tensor) -> None:
         magnitude = tensor.detach().abs()
@@ -55,6 +61,11 @@ class ModuleNumerics:
 
     def add_gradient(self, gradient: Tensor) -> None:
         self.max_gradient = max(self.max_gradient, float(gradient.detach().abs().max()))
+
+    def add_parameter_gradients(self, module: nn.Module) -> None:
+        for parameter in module.parameters(recurse=False):
+            if parameter.grad is not None:
+                self.max_parameter_gradient = max(self.max_parameter_gradient, float(parameter.grad.abs().max()))
 
 
 def headroom_bits(largest: float) -> Optional[float]:
@@ -105,6 +116,12 @@ class NumericsRecorder:
             handle.remove()
         self._handles = []
 
+    def add_parameter_gradients(self) -> None:
+        """Adds the parameter gradients of the last backward pass to every module's record."""
+        for name, module in self.model.named_modules():
+            if name in self.records:
+                self.records[name].add_parameter_gradients(module)
+
     def _hook(self, name: str) -> Callable:
         record = self.records.setdefault(name, ModuleNumerics())
 
@@ -151,16 +168,18 @@ class Numerics:
                                                 if math.isfinite(record.min_nonzero_activation) else None),
                  "underflow_margin_log2": underflow_margin_bits(record.min_nonzero_activation),
                  "max_abs_gradient": record.max_gradient,
-                 "gradient_headroom_log2": headroom_bits(record.max_gradient)}
-                for name, record in self.modules.items() if record.max_activation or record.max_gradient]
+                 "gradient_headroom_log2": headroom_bits(record.max_gradient),
+                 "max_abs_parameter_gradient": record.max_parameter_gradient,
+                 "parameter_gradient_headroom_log2": headroom_bits(record.max_parameter_gradient)}
+                for name, record in self.modules.items()
+                if record.max_activation or record.max_gradient or record.max_parameter_gradient]
 
     def layer_rows(self) -> List[Dict]:
         return [{"layer": layer, "gradient_norm": norm} for layer, norm in self.layer_gradient_norms.items()]
 
     def least_headroom(self) -> Dict:
-        """The module row with the smallest activation or gradient headroom."""
-        return min(self.module_rows(), key=lambda row: min(_bits(row["activation_headroom_log2"]),
-                                                           _bits(row["gradient_headroom_log2"])))
+        """The module row with the smallest headroom of any kind."""
+        return min(self.module_rows(), key=lambda row: min(_bits(row[key]) for key in HEADROOMS))
 
 
 def _bits(headroom: Optional[float]) -> float:
@@ -189,6 +208,7 @@ def probe_numerics(model: nn.Module, criterion, samples: Iterable[Dict],
             model.zero_grad()
             loss, sample_size, _logging = criterion(model, sample)
             loss.backward()
+            recorder.add_parameter_gradients()
             for layer, norm in layer_gradient_norms(model, 1.0 / float(sample_size)).items():
                 norms[layer] = norms.get(layer, 0.0) + norm
             batches += 1
@@ -228,22 +248,21 @@ def plot_numerics(models: Dict[str, Numerics], path: str) -> None:
 
 
 def plot_headroom_over_training(runs: Dict[str, Sequence[Tuple[int, Numerics]]], path: str) -> None:
-    """Per run, the least activation and gradient headroom over all modules at each
-    checkpoint's update (float16 overflows below the dashed line at 0; a gradient below the
-    dotted line overflows at fairseq's initial loss scale, 2^7)."""
+    """Per run, the least headroom of each kind (activations, their gradients, parameter
+    gradients) over all modules at each checkpoint's update (float16 overflows below the dashed
+    line at 0; a gradient below the dotted line overflows at fairseq's initial loss scale, 2^7)."""
     plt = pyplot()
-    figure, (activations, gradients) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
-    for name, series in runs.items():
-        updates = [update for update, _numerics in series]
-        for axis, key in ((activations, "activation_headroom_log2"), (gradients, "gradient_headroom_log2")):
+    figure, axes = plt.subplots(1, len(HEADROOMS), figsize=(5 * len(HEADROOMS), 4), sharex=True)
+    for axis, (key, title) in zip(axes, HEADROOMS.items()):
+        for name, series in runs.items():
             least = [min(_bits(row[key]) for row in numerics.module_rows()) for _update, numerics in series]
-            axis.plot(updates, [_plotted(None if bits == math.inf else bits) for bits in least], marker=".",
-                      label=name)
-    gradients.axhline(FAIRSEQ_INIT_SCALE_BITS, linestyle=":", color="grey", label="fairseq's initial loss scale")
-    for axis, title in ((activations, "activations"), (gradients, "gradients (summed loss, loss scale 1)")):
+            axis.plot([update for update, _numerics in series],
+                      [_plotted(None if bits == math.inf else bits) for bits in least], marker=".", label=name)
+        if key != "activation_headroom_log2":
+            axis.axhline(FAIRSEQ_INIT_SCALE_BITS, linestyle=":", color="grey", label="fairseq's initial loss scale")
         axis.axhline(0, linestyle="--", color="grey")
         axis.set_xlabel("updates")
         axis.set_ylabel("least log2(65,504 / max |value|)")
-        axis.set_title(f"float16 headroom of {title}", fontsize="medium")
+        axis.set_title(f"float16 headroom: {title}", fontsize="small")
         axis.legend(fontsize="small")
     save_figure(figure, path)
