@@ -219,27 +219,26 @@ def probe_numerics(model: nn.Module, criterion, samples: Iterable[Dict],
 
 
 def plot_numerics(models: Dict[str, Numerics], path: str) -> None:
-    """Per model, the activation and gradient headroom of every module (in module order;
-    float16 overflows below the dashed line at 0; inf and NaN at -8) and the gradient norm per
-    layer."""
+    """Per model, the activation, gradient and parameter gradient headroom of every module (in
+    module order; float16 overflows below the dashed line at 0; inf and NaN at -8) and the
+    gradient norm per layer (on one axis of every model's layers, in order of appearance)."""
     plt = pyplot()
     figure, (headroom, norms) = plt.subplots(2, 1, figsize=(10, 7))
+    layers = list(dict.fromkeys(row["layer"] for numerics in models.values() for row in numerics.layer_rows()))
     for name, numerics in models.items():
         rows = numerics.module_rows()
-        positions = range(len(rows))
-        headroom.plot(positions, [_plotted(row["activation_headroom_log2"]) for row in rows], ".",
-                      markersize=3, label=f"{name}: activations")
-        headroom.plot(positions, [_plotted(row["gradient_headroom_log2"]) for row in rows], "x",
-                      markersize=3, label=f"{name}: gradients")
-        layers = numerics.layer_rows()
-        norms.plot(range(len(layers)), [row["gradient_norm"] for row in layers], marker="o", label=name)
-        norms.set_xticks(range(len(layers)))
-        norms.set_xticklabels([row["layer"] for row in layers], rotation=90, fontsize="x-small")
+        for (key, kind), marker in zip(HEADROOMS.items(), ".x+"):
+            headroom.plot(range(len(rows)), [_plotted(row[key]) for row in rows], marker, linestyle="none",
+                          markersize=3, label=f"{name}: {kind.split(' (')[0]}")
+        points = sorted((layers.index(row["layer"]), row["gradient_norm"]) for row in numerics.layer_rows())
+        norms.plot(*zip(*points), marker="o", label=name)
     headroom.axhline(0, linestyle="--", color="grey")
     headroom.set_xlabel("module (in the model's order)")
     headroom.set_ylabel("log2(65,504 / max |value|)")
     headroom.set_title("float16 headroom per module", fontsize="medium")
-    headroom.legend(fontsize="small")
+    headroom.legend(fontsize="x-small", ncol=len(models))
+    norms.set_xticks(range(len(layers)))
+    norms.set_xticklabels(layers, rotation=90, fontsize="x-small")
     norms.set_yscale("log")
     norms.set_ylabel("gradient norm")
     norms.set_title("gradient norm per layer (per-token loss)", fontsize="medium")
