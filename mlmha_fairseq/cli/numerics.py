@@ -66,14 +66,14 @@ def samples(task, split: str, max_tokens: int):
                                    ignore_invalid_inputs=True).next_epoch_itr(shuffle=False)
 
 
-def interval_checkpoints(directory: str) -> List[Tuple[int, str]]:
-    """A save directory's update checkpoints (``checkpoint_EPOCH_UPDATE.pt``) by update."""
-    found = sorted((int(match.group(1)), os.path.join(directory, name)) for name in os.listdir(directory)
+def interval_checkpoints(directory: str) -> List[str]:
+    """A save directory's update checkpoints (``checkpoint_EPOCH_UPDATE.pt``) in update order."""
+    found = sorted((int(match.group(1)), name) for name in os.listdir(directory)
                    if (match := INTERVAL_CHECKPOINT.fullmatch(name)))
     if not found:
         raise InputError(f"{directory}: no update checkpoints (checkpoint_EPOCH_UPDATE.pt, kept by fairseq-train's "
                          "--save-interval-updates N --keep-interval-updates -1)")
-    return found
+    return [os.path.join(directory, name) for _update, name in found]
 
 
 def probe_checkpoint(args, name: str, checkpoint: str) -> Tuple[Numerics, Dict]:
@@ -96,16 +96,16 @@ def numerics(parser, args) -> None:
     runs = {name: interval_checkpoints(path) for name, path in zip(names, args.checkpoints) if os.path.isdir(path)}
     rows, results, models, series = [], {}, {}, {}
     for name, path in zip(names, args.checkpoints):
-        if name not in runs:
+        if name in runs:
+            results[name], series[name] = {"run": path, "checkpoints": []}, []
+            for checkpoint in runs[name]:
+                probed, result = probe_checkpoint(args, name, checkpoint)
+                series[name].append((result["update"], probed))
+                results[name]["checkpoints"].append(result)
+                rows.extend(dict(model=name, **row, update=result["update"]) for row in result["modules"])
+        else:
             models[name], results[name] = probe_checkpoint(args, name, path)
-            rows.extend(dict(model=name, **row, update=results[name]["update"]) for row in models[name].module_rows())
-            continue
-        results[name], series[name] = {"run": path, "checkpoints": []}, []
-        for update, checkpoint in runs[name]:
-            probed, result = probe_checkpoint(args, name, checkpoint)
-            series[name].append((result["update"], probed))
-            results[name]["checkpoints"].append(result)
-            rows.extend(dict(model=name, **row, update=result["update"]) for row in probed.module_rows())
+            rows.extend(dict(model=name, **row, update=results[name]["update"]) for row in results[name]["modules"])
     write_csv(args.output_prefix + ".csv", rows)
     write_json(args.output_prefix + ".json", {"split": args.split, "fp16_max": FP16_MAX,
                                               "fp16_smallest_subnormal": FP16_SMALLEST_SUBNORMAL,

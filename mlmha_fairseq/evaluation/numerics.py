@@ -6,9 +6,9 @@ For every named module, over the batches: the largest ``|activation|`` (its outp
 the batch's tokens and, for a shared matrix such as a tied embedding, over its uses), their
 headroom to float16's largest value (65,504) as ``log2(65,504 / max)``, and the smallest
 nonzero ``|activation|`` against float16's smallest subnormal (2^-24, below which a value
-rounds to 0) as ``log2(min / 2^-24)``; per layer, the gradient norm of its parameters. A headroom below 0 is a
-value that float16 cannot hold: in ``--fp16`` training an inf or NaN, and an overflow that
-fairseq's loss scaler cannot remove once the loss scale is below 1.
+rounds to 0) as ``log2(min / 2^-24)``; per layer, the gradient norm of its parameters. A
+headroom below 0 is a value that float16 cannot hold: in ``--fp16`` training an inf or NaN, and
+an overflow that fairseq's loss scaler cannot remove once the loss scale is below 1.
 
 The model runs as loaded (float32, eval mode: no dropout, so the numbers are reproducible) on
 teacher-forced batches of a split, with the loss of the checkpoint's own criterion (e.g. the
@@ -38,9 +38,8 @@ LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 PLOT_FLOOR_BITS = -8.0  # where the plot draws a value float16 cannot hold at all (inf, NaN)
 # fairseq's --fp16-init-scale (2^7): a gradient with less headroom overflows at the first update
 FAIRSEQ_INIT_SCALE_BITS = 7.0
-HEADROOMS = {"activation_headroom_log2": "activations",
-             "gradient_headroom_log2": "activation gradients (summed loss, loss scale 1)",
-             "parameter_gradient_headroom_log2": "parameter gradients (the same)"}
+HEADROOMS = {"activation_headroom_log2": "activations", "gradient_headroom_log2": "activation gradients",
+             "parameter_gradient_headroom_log2": "parameter gradients"}
 
 
 @dataclass
@@ -229,7 +228,7 @@ def plot_numerics(models: Dict[str, Numerics], path: str) -> None:
         rows = numerics.module_rows()
         for (key, kind), marker in zip(HEADROOMS.items(), ".x+"):
             headroom.plot(range(len(rows)), [_plotted(row[key]) for row in rows], marker, linestyle="none",
-                          markersize=3, label=f"{name}: {kind.split(' (')[0]}")
+                          markersize=3, label=f"{name}: {kind}")
         points = sorted((layers.index(row["layer"]), row["gradient_norm"]) for row in numerics.layer_rows())
         norms.plot(*zip(*points), marker="o", label=name)
     headroom.axhline(0, linestyle="--", color="grey")
@@ -262,6 +261,7 @@ def plot_headroom_over_training(runs: Dict[str, Sequence[Tuple[int, Numerics]]],
         axis.axhline(0, linestyle="--", color="grey")
         axis.set_xlabel("updates")
         axis.set_ylabel("least log2(65,504 / max |value|)")
-        axis.set_title(f"float16 headroom: {title}", fontsize="small")
+        axis.set_title(f"float16 headroom: {title}", fontsize="medium")
         axis.legend(fontsize="small")
+    figure.suptitle("gradients of the loss summed over the batch, at loss scale 1", fontsize="small")
     save_figure(figure, path)
