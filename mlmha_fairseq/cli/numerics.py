@@ -21,10 +21,10 @@ PREFIX-over-training.png draws each run's least headroom against the updates::
         --names mlrf transformer --data-bin data-bin --output-prefix results/numerics
 """
 import os
-import re
 from typing import Dict, List, Tuple
 
 from mlmha_fairseq.cli import _support as cli_support
+from mlmha_fairseq.evaluation.checkpoint_averaging import CHECKPOINT_PATTERNS
 from mlmha_fairseq.evaluation.model_loading import load_model_and_state, trained_updates
 from mlmha_fairseq.evaluation.numerics import (
     FP16_MAX, FP16_SMALLEST_SUBNORMAL, Numerics, plot_headroom_over_training, plot_numerics, probe_numerics,
@@ -34,7 +34,6 @@ from mlmha_fairseq.evaluation.text_io import InputError, write_csv, write_json
 
 DEFAULT_SPLIT = "valid"
 DEFAULT_MAX_BATCHES = 10
-INTERVAL_CHECKPOINT = re.compile(r"checkpoint_\d+_(\d+)\.pt")
 
 
 def build_parser():
@@ -68,12 +67,13 @@ def samples(task, split: str, max_tokens: int):
 
 def interval_checkpoints(directory: str) -> List[str]:
     """A save directory's update checkpoints (``checkpoint_EPOCH_UPDATE.pt``) in update order."""
-    found = sorted((int(match.group(1)), name) for name in os.listdir(directory)
-                   if (match := INTERVAL_CHECKPOINT.fullmatch(name)))
-    if not found:
+    from fairseq.checkpoint_utils import checkpoint_paths
+
+    newest_first = checkpoint_paths(directory, CHECKPOINT_PATTERNS["update"])
+    if not newest_first:
         raise InputError(f"{directory}: no update checkpoints (checkpoint_EPOCH_UPDATE.pt, kept by fairseq-train's "
                          "--save-interval-updates N --keep-interval-updates -1)")
-    return [os.path.join(directory, name) for _update, name in found]
+    return list(reversed(newest_first))
 
 
 def probe_checkpoint(args, name: str, checkpoint: str) -> Tuple[Numerics, Dict]:
@@ -93,19 +93,18 @@ def probe_checkpoint(args, name: str, checkpoint: str) -> Tuple[Numerics, Dict]:
 
 def numerics(parser, args) -> None:
     names = cli_support.system_names(parser, args.checkpoints, args.names)
-    runs = {name: interval_checkpoints(path) for name, path in zip(names, args.checkpoints) if os.path.isdir(path)}
+    checkpoints = {name: interval_checkpoints(path) if os.path.isdir(path) else [path]
+                   for name, path in zip(names, args.checkpoints)}
     rows, results, models, series = [], {}, {}, {}
     for name, path in zip(names, args.checkpoints):
-        if name in runs:
-            results[name], series[name] = {"run": path, "checkpoints": []}, []
-            for checkpoint in runs[name]:
-                probed, result = probe_checkpoint(args, name, checkpoint)
-                series[name].append((result["update"], probed))
-                results[name]["checkpoints"].append(result)
-                rows.extend(dict(model=name, **row, update=result["update"]) for row in result["modules"])
+        probes = [probe_checkpoint(args, name, checkpoint) for checkpoint in checkpoints[name]]
+        rows.extend(dict(model=name, **row, update=result["update"]) for _probed, result in probes
+                    for row in result["modules"])
+        if os.path.isdir(path):
+            results[name] = {"run": path, "checkpoints": [result for _probed, result in probes]}
+            series[name] = [(result["update"], probed) for probed, result in probes]
         else:
-            models[name], results[name] = probe_checkpoint(args, name, path)
-            rows.extend(dict(model=name, **row, update=results[name]["update"]) for row in results[name]["modules"])
+            models[name], results[name] = probes[0]
     write_csv(args.output_prefix + ".csv", rows)
     write_json(args.output_prefix + ".json", {"split": args.split, "fp16_max": FP16_MAX,
                                               "fp16_smallest_subnormal": FP16_SMALLEST_SUBNORMAL,
