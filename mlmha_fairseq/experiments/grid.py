@@ -33,7 +33,6 @@ logger = logging.getLogger("mlmha_fairseq.experiment")
 USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLL_SECONDS = 20
 STOP_CHECK_SECONDS = 1  # how often a run's ``stop_when`` is asked (it reads the run's log)
-UPDATE_CHECKPOINT = r"checkpoint_\d+_(\d+)\.pt"  # fairseq's name of the checkpoint after update N
 
 MODEL = SIZES["demo"].options()  # the demo's model: d=128, 3+3 layers
 
@@ -359,6 +358,7 @@ def usable_last_checkpoint(run: Run) -> int:
     from fairseq.checkpoint_utils import checkpoint_paths, load_checkpoint_to_cpu
 
     from mlmha_fairseq.compat import UnsafeCheckpointError, check_stored_options
+    from mlmha_fairseq.evaluation.checkpoint_averaging import CHECKPOINT_PATTERNS
     from mlmha_fairseq.evaluation.model_loading import trained_updates
 
     last = os.path.join(run.checkpoints, "checkpoint_last.pt")
@@ -373,8 +373,8 @@ def usable_last_checkpoint(run: Run) -> int:
         os.replace(last, f"{last}.{kind}")
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         logger.warning("  %s is %s (%s): moved to %s.%s", last, kind, reason, last, kind)
-    candidates = [(int(re.search(UPDATE_CHECKPOINT, os.path.basename(path)).group(1)), path)
-                  for path in checkpoint_paths(run.checkpoints, UPDATE_CHECKPOINT)[:1]]
+    candidates = [(int(updates), path) for path, updates in
+                  checkpoint_paths(run.checkpoints, CHECKPOINT_PATTERNS["update"], keep_match=True)[:1]]
     best = os.path.join(run.checkpoints, "checkpoint_best.pt")
     if os.path.isfile(best):
         try:
