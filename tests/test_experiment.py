@@ -370,14 +370,18 @@ def test_a_corpus_built_with_the_same_settings_is_kept(tmp_path, monkeypatch):
     assert len(built) == 4  # other sources, training verses or merges: built again when asked to
 
 
+GRID_SYSTEMS = ("systems", "matched")  # the keys that choose a grid's systems
+
+
 @pytest.mark.parametrize("config", sorted(os.listdir(EXAMPLES)))
 def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     """Each shipped grid loads and its systems are the package's, on the demo's corpus; a
     fixed-budget grid shares the demo grid's work directory and budget, so the baseline's seeds
     are trained once for all, unless it keeps every update checkpoint for an analysis over
     training (mlrf-fusion-weights.toml: its own budget and folder, the convergence grid's corpus
-    folder); grids that share a work directory (convergence.toml and its two parts) share every
-    setting but the systems, so their runs are the same runs; a grid on another language pair has
+    folder); grids that share a work directory (convergence.toml, its two parts and
+    convergence-matched.toml) share every setting but the systems (those listed and the matched
+    baselines), so their runs are the same runs; a grid on another language pair has
     the demo's settings (its budget too, unless it keeps every update checkpoint:
     fp16-headroom.toml) in a folder of its own."""
     demo = load_config(os.path.join(EXAMPLES, "demo.toml"))
@@ -406,8 +410,8 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     for other in sorted(os.listdir(EXAMPLES)):
         sharing = load_config(os.path.join(EXAMPLES, other))
         if sharing.work_dir == loaded.work_dir and "convergence" in loaded.settings:
-            assert {k: v for k, v in loaded.settings.items() if k != "systems"} == {
-                k: v for k, v in sharing.settings.items() if k != "systems"}, other
+            assert {k: v for k, v in loaded.settings.items() if k not in GRID_SYSTEMS} == {
+                k: v for k, v in sharing.settings.items() if k not in GRID_SYSTEMS}, other
 
 
 @pytest.mark.parametrize("convergence, bound", [(None, ""), (grid.Convergence(200, 5), "at most "),
