@@ -31,7 +31,6 @@ from mlmha_fairseq.evaluation.text_io import InputError
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65,504
 FP16_SMALLEST_SUBNORMAL = 2.0 ** -24  # float16's resolution at 0: smaller magnitudes round to 0
-FP16_SMALLEST_NORMAL = torch.finfo(torch.float16).tiny  # 2^-14: below it fewer mantissa bits
 # a layer of a stack: everything up to ``layers.<i>`` (``encoder.layers.3``,
 # ``decoder.aux_decoders.0.layers.1``); other parameters are grouped by their module
 LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")

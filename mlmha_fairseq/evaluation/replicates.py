@@ -153,10 +153,6 @@ class SystemRow:
             return None, None
         return mean_sd(values)
 
-    def bleu_over(self, seeds: Sequence[int]) -> float:
-        """Mean BLEU over ``seeds`` (a subset of this row's)."""
-        return self.mean_over(seeds, "BLEU")
-
     def mean_over(self, seeds: Sequence[int], metric: str) -> Optional[float]:
         """Mean ``metric`` over ``seeds`` (a subset of this row's); None where it is unavailable."""
         values = [score for seed, score in zip(self.seeds, self.scores[metric]) if seed in seeds]
