@@ -23,6 +23,7 @@ OUTPUTS = ("results.md", "results-curves.md")
 
 # the folder of each grid's committed outputs, by the config that `make results` rebuilds
 COMMITTED = {
+    "mechanisms.toml": "mechanisms",
     "mechanisms-dlcl.toml": "mechanisms/dlcl",
     "convergence-mlrf-dc.toml": "convergence/seed3",
     "convergence-others.toml": "convergence/others/seeds1-3",
