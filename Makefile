@@ -68,6 +68,7 @@ experiment: $(STAMP)
 # gpu-d128-dc builds gpu-base.toml's whole-Bible corpus; gpu-base-dc-10k uses the convergence one.
 RESULTS_WORK ?= work-results
 results: $(STAMP)
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/demo.toml --work-dir $(RESULTS_WORK)/demo --records docs/experiment/mechanisms/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms.toml --work-dir $(RESULTS_WORK)/mechanisms --records docs/experiment/mechanisms/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms-dlcl.toml --work-dir $(RESULTS_WORK)/mechanisms-dlcl --records docs/experiment/mechanisms/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-dc.toml --seeds 3-3 --work-dir $(RESULTS_WORK)/convergence-mlrf-dc --records docs/experiment/convergence/runs --report-only

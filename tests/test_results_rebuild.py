@@ -23,6 +23,7 @@ OUTPUTS = ("results.md", "results-curves.md")
 
 # the folder of each grid's committed outputs, by the config that `make results` rebuilds
 COMMITTED = {
+    "demo.toml": ".",
     "mechanisms.toml": "mechanisms",
     "mechanisms-dlcl.toml": "mechanisms/dlcl",
     "convergence-mlrf-dc.toml": "convergence/seed3",
