@@ -12,7 +12,7 @@ import time
 import pytest
 
 from fairseq_helpers import DECODING
-from mlmha_fairseq.cli import experiment
+from mlmha_fairseq.cli import demo as demo_cli, experiment
 from mlmha_fairseq.experiments import corpora, grid, systems
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.config import load_config
@@ -383,14 +383,29 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     convergence-matched.toml) share every setting but the systems (those listed and the matched
     baselines), so their runs are the same runs; a grid on another language pair has
     the demo's settings (its budget too, unless it keeps every update checkpoint:
-    fp16-headroom.toml) in a folder of its own."""
+    fp16-headroom.toml) in a folder of its own; a multi-source grid is the demo's multi-source
+    table (its systems, corpus and sentence batches) in a folder of its own."""
     demo = load_config(os.path.join(EXAMPLES, "demo.toml"))
     loaded = load_config(os.path.join(EXAMPLES, config))
+
+    def sharing_its_folder():
+        return [other for other in os.listdir(EXAMPLES) if other != config
+                and load_config(os.path.join(EXAMPLES, other)).work_dir == loaded.work_dir]
+
+    if loaded.systems[0].sources:  # multi-source.toml
+        sources = tuple(loaded.corpus["sources"])
+        assert loaded.systems == demo_cli.multi_source_systems(sources) and loaded.seeds == [1, 2, 3]
+        assert loaded.settings["batch_size"] == demo_cli.SENTENCE_BATCHES.size
+        assert {key: loaded.corpus[key] for key in ("train_verses", "bpe_merges")} == {
+            key: value for key, value in demo_cli.QUICK.items() if key != "max_update"}
+        assert loaded.settings["max_update"] == demo_cli.QUICK["max_update"]
+        assert loaded.settings["beam"] == demo.settings["beam"]
+        assert sharing_its_folder() == []
+        return
     assert loaded.systems[0].name == "Transformer (fairseq)"
     if "model_args" in loaded.settings:  # another model shape (gpu-base.toml): its own corpus and folder
         assert loaded.settings["model_args"] != demo.settings.get("model_args")
-        assert [other for other in os.listdir(EXAMPLES) if other != config and load_config(
-            os.path.join(EXAMPLES, other)).work_dir == loaded.work_dir] == []
+        assert sharing_its_folder() == []
         return
     assert loaded.seeds == [1, 2, 3]
     keeps_every_checkpoint = "--keep-interval-updates" in loaded.settings.get("train_args", [])
@@ -399,8 +414,7 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
             key: value for key, value in demo.corpus.items() if key != "sources"}
         for key in ("max_tokens", "beam") + (() if keeps_every_checkpoint else ("max_update",)):
             assert loaded.settings[key] == demo.settings[key], key
-        assert [other for other in os.listdir(EXAMPLES) if other != config and load_config(
-            os.path.join(EXAMPLES, other)).work_dir == loaded.work_dir] == []
+        assert sharing_its_folder() == []
         return
     assert {key: value for key, value in loaded.corpus.items() if key != "dir"} == demo.corpus
     for key in ("max_tokens", "beam"):
