@@ -383,7 +383,8 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     convergence-matched.toml) share every setting but the systems (those listed and the matched
     baselines), so their runs are the same runs; a grid on another language pair has
     the demo's settings (its budget too, unless it keeps every update checkpoint:
-    fp16-headroom.toml) in a folder of its own; a multi-source grid is the demo's multi-source
+    fp16-headroom.toml; or the converged grid's settings: convergence-de-en.toml) in a folder
+    of its own; a multi-source grid is the demo's multi-source
     table (its systems, corpus and sentence batches) in a folder of its own."""
     demo = load_config(os.path.join(EXAMPLES, "demo.toml"))
     loaded = load_config(os.path.join(EXAMPLES, config))
@@ -412,8 +413,13 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     if loaded.corpus.get("sources") != demo.corpus["sources"]:  # another pair (de-en-400.toml): its own folder
         assert {key: value for key, value in loaded.corpus.items() if key not in ("sources", "dir")} == {
             key: value for key, value in demo.corpus.items() if key != "sources"}
-        for key in ("max_tokens", "beam") + (() if keeps_every_checkpoint else ("max_update",)):
-            assert loaded.settings[key] == demo.settings[key], key
+        if "convergence" in loaded.settings:  # convergence-de-en.toml: the French grid's settings
+            french = load_config(os.path.join(EXAMPLES, "convergence-matched.toml"))
+            assert {k: v for k, v in loaded.settings.items() if k not in ("work_dir", "corpus")} == {
+                k: v for k, v in french.settings.items() if k not in ("work_dir", "corpus")}
+        else:
+            for key in ("max_tokens", "beam") + (() if keeps_every_checkpoint else ("max_update",)):
+                assert loaded.settings[key] == demo.settings[key], key
         assert sharing_its_folder() == []
         return
     assert {key: value for key, value in loaded.corpus.items() if key != "dir"} == demo.corpus
