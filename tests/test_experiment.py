@@ -384,8 +384,8 @@ def test_shipped_configs_name_known_systems_and_reuse_the_demos_runs(config):
     baselines), so their runs are the same runs; a grid on another language pair has
     the demo's settings (its budget too, unless it keeps every update checkpoint:
     fp16-headroom.toml; or the converged grid's settings: convergence-de-en.toml) in a folder
-    of its own; a multi-source grid is the demo's multi-source
-    table (its systems, corpus and sentence batches) in a folder of its own."""
+    of its own; a multi-source grid is the demo's multi-source table (its systems, corpus and
+    sentence batches) in a folder of its own."""
     demo = load_config(os.path.join(EXAMPLES, "demo.toml"))
     loaded = load_config(os.path.join(EXAMPLES, config))
 
