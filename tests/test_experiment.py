@@ -222,6 +222,15 @@ BAD_CONFIGS = {
     "matched = 3": "matched must be true (every system but the baseline) or a list of system names",
     'matched = true\nmatched_by = "wider"': "matched_by must be one of ffn, layers",
     'matched_by = "layers"': "matched_by needs matched",
+    # further comparisons the grid names
+    'comparisons = [["mma"]]': "comparisons must be a list of [system, against] pairs",
+    'systems = ["transformer", "mma"]\ncomparisons = [["mma", "dlcl"]]':
+        "comparisons names 'DLCL', which is not one of the systems",
+    'systems = ["transformer", "mma"]\ncomparisons = [["mma", "MMA"]]': "comparisons compares 'MMA' with itself",
+    'systems = ["transformer", "mma"]\ncomparisons = [["mma", "transformer"]]':
+        "is already tested: every system is compared with the baseline 'Transformer (fairseq)'",
+    'systems = ["transformer", "mma", "dlcl"]\ncomparisons = [["mma", "dlcl"], ["DLCL", "MMA"]]':
+        "comparisons gives the pair ['DLCL', 'MMA'] twice",
 }
 
 
@@ -238,6 +247,13 @@ def test_a_bad_config_is_refused_in_one_line_before_anything_runs(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("experiment: error: ") and BAD_CONFIGS[text] in err[0], err
     assert not (tmp_path / "work").exists()
+
+
+def test_comparisons_name_the_grids_systems_by_key_or_name(tmp_path):
+    config = tmp_path / "grid.toml"
+    config.write_text('systems = ["transformer", "mma", "dlcl"]\ncomparisons = [["dlcl", "MMA"]]\n'
+                      '[corpus]\ndir = "corpus"\n')
+    assert load_config(str(config)).comparisons == [("DLCL", "MMA")]
 
 
 @pytest.mark.parametrize("option, value", [("--max-update", "0"), ("--seeds", "0"), ("--ar-trials", "-5"),

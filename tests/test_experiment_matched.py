@@ -6,6 +6,7 @@ import re
 
 import pytest
 from fairseq.data import Dictionary
+from statsmodels.stats.multitest import multipletests
 
 from fairseq_helpers import DECODING, TINY_MODEL_ARGS, build_model
 
@@ -155,3 +156,31 @@ def test_a_grid_trains_the_matched_baseline_and_compares_the_mechanism_with_both
     table = (work / "results.md").read_text()
     assert f"| {names[1]} |" in table and f"| MLMHA M-00 | {names[1]} |" in table
     assert "| params | train time (s) | tokens/s |" in table
+
+
+def test_a_pair_the_grid_names_is_compared_and_holm_adjusted_with_the_rest(tmp_path, corpus):
+    """``comparisons``: MLRF at a lower rate against the Transformer at that rate is a question the
+    baseline's column does not answer (docs/experiment/convergence's fusion-weights grid)."""
+    work, config = tmp_path / "work", tmp_path / "grid.toml"
+    config.write_text(f"""
+work_dir = "{work}"
+seeds = 1
+systems = ["transformer", {{ name = "Transformer, lr 1e-3", base = "transformer", args = ["--lr", "1e-3"] }},
+           {{ name = "MMA, lr 1e-3", base = "mma", args = ["--lr", "1e-3"] }}]
+comparisons = [["MMA, lr 1e-3", "Transformer, lr 1e-3"]]
+max_update = 2
+beam = 1
+{DECODING}
+[corpus]
+dir = "{corpus}"
+""")
+    assert experiment.main([str(config), "--ar-trials", "20", "--bootstrap-samples", "10"]) == 0
+    results = json.loads((work / "results.json").read_text())
+    pairs = [(c["system"], c["against"]) for c in results["comparisons"]]
+    assert pairs == [("Transformer, lr 1e-3", "Transformer (fairseq)"), ("MMA, lr 1e-3", "Transformer (fairseq)"),
+                     ("MMA, lr 1e-3", "Transformer, lr 1e-3")]
+    raw = [c["p_value"] for c in results["comparisons"]]
+    assert [c["p_holm"] for c in results["comparisons"]] == pytest.approx(list(multipletests(raw, method="holm")[1]))
+    table = (work / "results.md").read_text()
+    assert "| MMA, lr 1e-3 | Transformer, lr 1e-3 | 1 |" in table
+    assert "and each pair the grid names" in table

@@ -203,6 +203,7 @@ class ReplicateReport:
     comparisons: List[Comparison] = field(default_factory=list)  # the family Holm adjusts over
     cost_columns: List[str] = field(default_factory=list)  # COST_COLUMNS shown (the runner's)
     comet_metric: Optional[str] = None  # mt_thresholds' name of the COMET model, if it has one
+    named_pairs: bool = False  # the family has pairs the grid names (build_report's ``pairs``)
 
     def as_dict(self) -> Dict:
         rows = []
@@ -246,12 +247,14 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
                  extra: Optional[Dict[str, Dict[str, Dict[int, float]]]] = None,
                  comet: Optional[Comet] = None, sources: Optional[Sequence[str]] = None,
                  matched: Optional[Dict[str, str]] = None,
-                 costs: Optional[Dict[str, Dict[int, Dict[str, Optional[float]]]]] = None) -> ReplicateReport:
+                 costs: Optional[Dict[str, Dict[int, Dict[str, Optional[float]]]]] = None,
+                 pairs: Sequence[Tuple[str, str]] = ()) -> ReplicateReport:
     """Scores, s_sel and tests of ``systems`` = [(name, {seed: hypotheses})], the first the
     baseline. ``extra`` = {column: {system: {seed: value}}} is carried into the tables.
     ``comet``: a COMET model, which reads ``sources`` and the first reference stream.
     ``matched`` = {system: its budget-matched baseline}: each such system is also compared with
-    that one (both among ``systems``). ``costs`` = {system: {seed: {COST_COLUMNS title: value}}}:
+    that one (both among ``systems``); ``pairs`` = [(system, against)]: further comparisons the
+    grid names (an experiment config's ``comparisons``). ``costs`` = {system: {seed: {COST_COLUMNS title: value}}}:
     the training measures of each run, columns of the tables. Every comparison's p-value is
     also given Holm-adjusted over all of them."""
     options = options or ReplicateOptions()
@@ -296,7 +299,7 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
     by_name = {row.name: row for row in rows}
     comparisons = [compare(row, rows[0], row.ar_seeds, row.ar_p_value, comet_metric)
                    for row in rows[1:] if row.ar_p_value is not None]
-    for name, reference in (matched or {}).items():
+    for name, reference in [*(matched or {}).items(), *pairs]:
         if name not in by_name or reference not in by_name:
             continue  # a partial grid: one of the two has no finished run yet
         system, against = by_name[name], by_name[reference]
@@ -316,7 +319,8 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
                   else f"unbabel-comet, model {comet.directory} ({comet_signature(comet.directory)}), system score "
                        "(mean segment score) x 100")
     return ReplicateReport(baseline_name, rows, signatures, meteor_note, asdict(options), list(extra or {}),
-                           comet_note, comparisons, list(COST_COLUMNS) if costs is not None else [], comet_metric)
+                           comet_note, comparisons, list(COST_COLUMNS) if costs is not None else [], comet_metric,
+                           bool(pairs))
 
 
 def mean_sd_text(values: Sequence[Optional[float]], plus_minus: str = " ± ") -> str:
@@ -400,8 +404,10 @@ def _comparison_cells(comparison: Comparison) -> List[str]:
 def _comparison_footnote(report: ReplicateReport) -> str:
     comet = (f"COMET as mt_thresholds' {report.comet_metric}" if report.comet_metric else
              "COMET n/a (no COMET model given, or one mt_thresholds has no thresholds for)")
+    others = ("a mechanism against its budget-matched baseline, and each pair the grid names" if report.named_pairs
+              else "and a mechanism against its budget-matched baseline")
     return (f"Every comparison of the table, the family of the Holm adjustment: each system against "
-            f"{report.baseline}, and a mechanism against its budget-matched baseline. Δ: mean difference over "
+            f"{report.baseline}, {others}. Δ: mean difference over "
             f"the seeds both have; human acc.: {ACCURACY_NOTE} ({comet}); p (AR) and p (Holm) as above, "
             f"† p<0.05, ‡ p<0.01 from the Holm-adjusted p.")
 

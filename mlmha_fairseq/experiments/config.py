@@ -1,7 +1,7 @@
 """The experiment runner's TOML file: every key and value checked before anything runs."""
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from mlmha_fairseq.errors import UsageError
 from mlmha_fairseq.experiments.corpora import POSTPROCESS, Corpus
@@ -69,6 +69,8 @@ SCHEMA = {
                 "true (every system but the baseline) or a list of system names: each gets a budget-matched "
                 "baseline"),
     "matched_by": (lambda v: v in MATCHED_BY, f"one of {', '.join(MATCHED_BY)} (how a matched baseline grows)"),
+    "comparisons": (lambda v: isinstance(v, list) and bool(v) and all(_texts(pair) and len(pair) == 2 for pair in v),
+                    'a list of [system, against] pairs, e.g. [["MLRF, lr 5e-4", "Transformer, lr 5e-4"]]'),
 }
 LAUNCHER_SCHEMA = {
     "partition": (lambda v: _text(v) and _plain(v), "a Slurm partition (no control characters)"),
@@ -181,6 +183,7 @@ class Experiment:
     launcher: Optional[SlurmLauncher] = None  # None: on this machine
     matched: List[str] = field(default_factory=list)  # systems that get a budget-matched baseline
     matched_by: str = "ffn"  # how (experiments/matching.py)
+    comparisons: List[Tuple[str, str]] = field(default_factory=list)  # (system, against) tested beside the baseline's
 
 
 def load_config(path: str) -> Experiment:
@@ -211,6 +214,7 @@ def load_config(path: str) -> Experiment:
         raise UsageError(f"{path}: baseline {baseline!r} is not one of the systems {names}")
     systems.sort(key=lambda system: system.name != baseline)  # the baseline first
     matched = matched_from(config, names, baseline, path)
+    comparisons = comparisons_from(config, names, baseline, path)
     convergence = config.get("convergence")
     if convergence is not None:
         check_table(convergence, CONVERGENCE_SCHEMA, f"{path}: [convergence]")
@@ -231,7 +235,7 @@ def load_config(path: str) -> Experiment:
         raise UsageError(f"{path}: [corpus] give raw or data_bin, not both")
     return Experiment(systems, seeds_from(config.get("seeds", 1), path),
                       config.get("work_dir", f"work-{os.path.splitext(os.path.basename(path))[0]}"),
-                      corpus, config, baseline, launcher, matched, config.get("matched_by", "ffn"))
+                      corpus, config, baseline, launcher, matched, config.get("matched_by", "ffn"), comparisons)
 
 
 def grid_name(name: str, names: List[str]) -> str:
@@ -265,6 +269,28 @@ def matched_from(config: Dict, names: List[str], baseline: str, path: str) -> Li
                              "matched with")
         chosen.append(name)
     return chosen
+
+
+def comparisons_from(config: Dict, names: List[str], baseline: str, path: str) -> List[Tuple[str, str]]:
+    """The (system, against) pairs of ``comparisons``, registry keys resolved to their names: each
+    one a further test of the table's family (Holm adjusts over it too). One line naming a pair
+    with a system that is not in the grid, a system against itself, a pair the table already
+    tests (a system against the baseline) or one given twice."""
+    pairs: List[Tuple[str, str]] = []
+    for given in config.get("comparisons", []):
+        system, against = (grid_name(name, names) for name in given)
+        for name in (system, against):
+            if name not in names:
+                raise UsageError(f"{path}: comparisons names {name!r}, which is not one of the systems {names}")
+        if system == against:
+            raise UsageError(f"{path}: comparisons compares {system!r} with itself")
+        if baseline in (system, against):
+            raise UsageError(f"{path}: comparisons pair {given} is already tested: every system is compared with "
+                             f"the baseline {baseline!r}")
+        if (system, against) in pairs or (against, system) in pairs:
+            raise UsageError(f"{path}: comparisons gives the pair {given} twice")
+        pairs.append((system, against))
+    return pairs
 
 
 def settings_from(experiment: Experiment, corpus: Corpus, max_update: Optional[int]) -> Settings:

@@ -141,7 +141,7 @@ def run_grid(args, experiment: Experiment, work_dir: str) -> int:
         comet = load_comet(args.comet_model)
         report = build_report(finished, [references], ReplicateOptions(args.bootstrap_samples, args.ar_trials),
                               comet=comet, sources=comet_sources(experiment.corpus, corpus) if comet else None,
-                              matched=matched, costs=grid.costs())
+                              matched=matched, costs=grid.costs(), pairs=experiment.comparisons)
         table = write_report(report, os.path.join(work_dir, "results"), settings.budget,
                              os.path.basename(args.config))
         print("\n" + table)
