@@ -35,7 +35,7 @@ COMMITTED = {
     "gpu-d128-dc.toml": "gpu-base/enc-dc/d128",
     "gpu-base-dc-10k.toml": "gpu-base/enc-dc/10k",
     "dc-shape-toy.toml": "dc-shape-toy",
-    "de-en-400.toml": "de-en-400/seeds1-2",
+    "de-en-400.toml": "de-en-400",
 }
 
 
