@@ -28,6 +28,7 @@ COMMITTED = {
     "mechanisms-dlcl.toml": "mechanisms/dlcl",
     "convergence-mlrf-dc.toml": "convergence/seed3",
     "convergence-others.toml": "convergence/others/seeds1-3",
+    "mlrf-fusion-weights.toml": "convergence/fusion-weights",
     "convergence-dc-document-lr.toml": "convergence-dc-document-lr",
     "convergence-mlrf-document-lr.toml": "convergence-mlrf-document-lr/seeds2-3",
     "convergence-mlrf-document-lr-loss.toml": "convergence-mlrf-document-lr-loss/seed2",
