@@ -71,6 +71,7 @@ results: $(STAMP)
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/demo.toml --work-dir $(RESULTS_WORK)/demo --records docs/experiment/mechanisms/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms.toml --work-dir $(RESULTS_WORK)/mechanisms --records docs/experiment/mechanisms/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms-dlcl.toml --work-dir $(RESULTS_WORK)/mechanisms-dlcl --records docs/experiment/mechanisms/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms-matched.toml --work-dir $(RESULTS_WORK)/mechanisms-matched --records docs/experiment/mechanisms/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-dc.toml --seeds 3-3 --work-dir $(RESULTS_WORK)/convergence-mlrf-dc --records docs/experiment/convergence/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mlrf-fusion-weights.toml --seeds 1 --work-dir $(RESULTS_WORK)/mlrf-fusion-weights --records docs/experiment/convergence/fusion-weights/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-others.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-others --records docs/experiment/convergence/runs --report-only

@@ -26,6 +26,7 @@ COMMITTED = {
     "demo.toml": ".",
     "mechanisms.toml": "mechanisms",
     "mechanisms-dlcl.toml": "mechanisms/dlcl",
+    "mechanisms-matched.toml": "mechanisms/matched",
     "convergence-mlrf-dc.toml": "convergence/seed3",
     "convergence-others.toml": "convergence/others/seeds1-3",
     "mlrf-fusion-weights.toml": "convergence/fusion-weights",
