@@ -254,9 +254,9 @@ def build_report(systems: Sequence[Tuple[str, Dict[int, List[str]]]], references
     ``comet``: a COMET model, which reads ``sources`` and the first reference stream.
     ``matched`` = {system: its budget-matched baseline}: each such system is also compared with
     that one (both among ``systems``); ``pairs`` = [(system, against)]: further comparisons the
-    grid names (an experiment config's ``comparisons``). ``costs`` = {system: {seed: {COST_COLUMNS title: value}}}:
-    the training measures of each run, columns of the tables. Every comparison's p-value is
-    also given Holm-adjusted over all of them."""
+    grid names (an experiment config's ``comparisons``). ``costs`` = {system: {seed:
+    {COST_COLUMNS title: value}}}: the training measures of each run, columns of the tables.
+    Every comparison's p-value is also given Holm-adjusted over all of them."""
     options = options or ReplicateOptions()
     wordnet = wordnet or load_wordnet()
     if comet is not None and sources is None:
