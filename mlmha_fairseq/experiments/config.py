@@ -249,6 +249,14 @@ def grid_name(name: str, names: List[str]) -> str:
         return name
 
 
+def system_named(name: str, names: List[str], key: str, path: str) -> str:
+    """``name``, given in the config's ``key``, as the grid calls it; one line if no system has it."""
+    name = grid_name(name, names)
+    if name not in names:
+        raise UsageError(f"{path}: {key} names {name!r}, which is not one of the systems {names}")
+    return name
+
+
 def matched_from(config: Dict, names: List[str], baseline: str, path: str) -> List[str]:
     """The systems of ``matched`` (registry keys resolved to their names): every system but
     the baseline for ``true``; one line naming a system that is not in the grid, or the baseline."""
@@ -261,9 +269,7 @@ def matched_from(config: Dict, names: List[str], baseline: str, path: str) -> Li
         return []
     chosen = []
     for name in value:
-        name = grid_name(name, names)
-        if name not in names:
-            raise UsageError(f"{path}: matched names {name!r}, which is not one of the systems {names}")
+        name = system_named(name, names, "matched", path)
         if name == baseline:
             raise UsageError(f"{path}: matched names the baseline {baseline!r}, which is what the others are "
                              "matched with")
@@ -278,10 +284,7 @@ def comparisons_from(config: Dict, names: List[str], baseline: str, path: str) -
     tests (a system against the baseline) or one given twice."""
     pairs: List[Tuple[str, str]] = []
     for given in config.get("comparisons", []):
-        system, against = (grid_name(name, names) for name in given)
-        for name in (system, against):
-            if name not in names:
-                raise UsageError(f"{path}: comparisons names {name!r}, which is not one of the systems {names}")
+        system, against = (system_named(name, names, "comparisons", path) for name in given)
         if system == against:
             raise UsageError(f"{path}: comparisons compares {system!r} with itself")
         if baseline in (system, against):
