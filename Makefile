@@ -82,6 +82,7 @@ results: $(STAMP)
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/gpu-d128-dc.toml --work-dir $(RESULTS_WORK)/gpu-d128-dc --records docs/experiment/gpu-base/enc-dc/d128/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/gpu-base-dc-10k.toml --work-dir $(RESULTS_WORK)/gpu-base-dc-10k --records docs/experiment/gpu-base/enc-dc/10k/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/de-en-400.toml --work-dir $(RESULTS_WORK)/de-en-400 --records docs/experiment/de-en-400/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/multi-source.toml --work-dir $(RESULTS_WORK)/multi-source --records docs/experiment/multi-source/runs --report-only
 	$(PY) scripts/reversal_corpus.py work-reversal
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/dc-shape-toy.toml --work-dir $(RESULTS_WORK)/dc-shape-toy --records docs/experiment/dc-shape-toy/runs --report-only
 

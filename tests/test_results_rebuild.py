@@ -38,6 +38,7 @@ COMMITTED = {
     "gpu-base-dc-10k.toml": "gpu-base/enc-dc/10k",
     "dc-shape-toy.toml": "dc-shape-toy",
     "de-en-400.toml": "de-en-400",
+    "multi-source.toml": "multi-source",
 }
 
 
