@@ -113,6 +113,26 @@ def test_training_costs_are_read_from_both_log_formats_over_the_attempts(tmp_pat
     assert training_costs(str(tmp_path / "none.log")) == {"params": None, "train time (s)": None, "tokens/s": None}
 
 
+def test_training_time_counts_resumed_attempts_that_log_no_wall_clock(tmp_path):
+    """fairseq logs ``wall`` 0 after resuming from a checkpoint; such an attempt stopped before
+    ``done training in`` counts the span of its timestamps. Logs from before the runner marked
+    attempts are split at each fairseq-train start (its config line)."""
+    start = "| INFO | fairseq_cli.train | {'_name': None, 'common': {}}\n"
+    inner = '| INFO | train_inner | {"wps": "100", "num_updates": "%d", "wall": "%d"}\n'
+    unmarked = tmp_path / "unmarked.log"
+    unmarked.write_text(
+        "2026-11-28 04:00:00 " + start + "2026-11-28 04:01:00 " + inner % (25, 50)  # fresh, killed: wall
+        + "2026-11-28 05:00:00 " + start + "2026-11-28 05:00:30 " + inner % (50, 0)  # resumed, killed:
+        + "2026-11-28 05:02:00 " + inner % (75, 0)                                   # 120 s of timestamps
+        + "2026-11-28 06:00:00 " + start + "2026-11-28 06:00:40 " + inner % (100, 0)
+        + "2026-11-28 06:01:00 | INFO | fairseq_cli.train | done training in 30.5 seconds\n")
+    assert training_costs(str(unmarked))["train time (s)"] == pytest.approx(50 + 120 + 30.5)
+    marked = tmp_path / "marked.log"
+    marked.write_text(f"{ATTEMPT}0\n" + "2026-11-28 04:00:00 " + start + "2026-11-28 04:01:00 " + inner % (25, 60)
+                      + f"{ATTEMPT}25\n" + "2026-11-28 05:00:00 " + start + "2026-11-28 05:03:20 " + inner % (50, 0))
+    assert training_costs(str(marked))["train time (s)"] == pytest.approx(60 + 200)
+
+
 GRID = """
 work_dir = "{work}"
 seeds = 1

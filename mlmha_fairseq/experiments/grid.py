@@ -8,6 +8,7 @@ others go on. Every command is printed with its log file and appended to
 """
 import concurrent.futures
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -320,24 +321,39 @@ DONE_LINE = re.compile(r"done training in ([\d.]+) seconds")
 WALL = re.compile(r"(?<![\w])wall\"?[=:\s\"]+([\d.]+)")  # json ("wall": "18") and simple (wall=18) formats
 INNER_WPS = re.compile(r"(?<![\w])wps\"?[=:\s\"]+([\d.]+)")  # per log interval, not the epoch's train_wps
 EPOCH_WPS = re.compile(r"train_wps\"?[=:\s\"]+([\d.]+)")
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \|", re.M)  # fairseq's logging format
+# Where an attempt begins: the runner's mark, or fairseq-train's first line (its whole config),
+# which also splits the logs written before attempts were marked.
+ATTEMPT_START = re.compile(rf"{re.escape(ATTEMPT)}|^(?=[^\n]*\| fairseq_cli\.train \| \{{'_name')", re.M)
+
+
+def _attempt_seconds(attempt: str) -> Optional[float]:
+    """One attempt's training time: its ``done training in``; for one stopped before that line,
+    its last ``wall``, or, where that is 0 (fairseq restarts no wall clock when it resumes from a
+    checkpoint and logs 0), the time between its first and last timestamped lines."""
+    done = DONE_LINE.findall(attempt)
+    if done:
+        return float(done[-1])
+    walls = [float(value) for value in WALL.findall(attempt)]
+    if walls and walls[-1] > 0:
+        return walls[-1]
+    stamps = [datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S") for stamp in STAMP.findall(attempt)]
+    if len(stamps) > 1:
+        return (stamps[-1] - stamps[0]).total_seconds()
+    return walls[-1] if walls else None
 
 
 def training_costs(log_path: str) -> Dict[str, Optional[float]]:
     """What a run's training log says of its cost, the tables' columns (``COST_COLUMNS`` of
     :mod:`mlmha_fairseq.evaluation.replicates`): ``params``, the trained parameters fairseq-train
-    counts (``num. shared model params``); ``train time (s)``, its ``done training in`` seconds
-    summed over the run's attempts (an attempt the runner stopped at convergence, or that was
-    killed, counts its last logged ``wall``); ``tokens/s``, fairseq's ``wps`` (target tokens per
+    counts (``num. shared model params``); ``train time (s)``, summed over the run's attempts
+    (:func:`_attempt_seconds`: an attempt the runner stopped at convergence, or that was killed,
+    counts up to its last logged line); ``tokens/s``, fairseq's ``wps`` (target tokens per
     second) averaged over the log intervals, or over the epochs when no interval was logged
     (a run shorter than ``--log-interval``). None for what the log does not hold."""
     text = log_text(log_path)
     params = PARAMS_LINE.findall(text)
-    seconds = []
-    for attempt in text.split(ATTEMPT):
-        done = DONE_LINE.findall(attempt)
-        wall = WALL.findall(attempt)
-        if done or wall:
-            seconds.append(float(done[-1]) if done else float(wall[-1]))
+    seconds = [value for value in map(_attempt_seconds, ATTEMPT_START.split(text)) if value is not None]
     speeds = [float(value) for value in INNER_WPS.findall(text)] or [float(v) for v in EPOCH_WPS.findall(text)]
     return {"params": float(params[-1].replace(",", "")) if params else None,
             "train time (s)": sum(seconds) if seconds else None,
