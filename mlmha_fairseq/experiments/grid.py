@@ -329,8 +329,8 @@ ATTEMPT_START = re.compile(rf"{re.escape(ATTEMPT)}|^(?=[^\n]*\| fairseq_cli\.tra
 
 def _attempt_seconds(attempt: str) -> Optional[float]:
     """One attempt's training time: its ``done training in``; for one stopped before that line,
-    its last ``wall``, or, where that is 0 (fairseq restarts no wall clock when it resumes from a
-    checkpoint and logs 0), the time between its first and last timestamped lines."""
+    its last ``wall``, or, where that is 0 (fairseq logs ``wall`` 0 after resuming from a
+    checkpoint), the time between its first and last timestamped lines."""
     done = DONE_LINE.findall(attempt)
     if done:
         return float(done[-1])
