@@ -5,13 +5,15 @@
 # wheels and fairseq-fixed's sdist under $KIT/whl) and gpu-base.toml's corpus in
 # work-experiment-gpu-base-corpus:
 #   OUT=gpu-check BUDGET=560 bash scripts/gpu_check.sh
-# It trains examples/experiment/gpu-base-matched.toml (four runs at once on the GPU) beside
+# It trains the grids of $CONFIGS (default: examples/experiment/gpu-base-matched.toml, issue
+# 47; examples/experiment/gpu-base-fp16.toml is issue 45's), all runs at once on the GPU, beside
 # the GPU test tier and the README's GPU snippets, and writes everything to $OUT before
 # $BUDGET seconds have passed, unfinished runs' logs included.
 set -u
 OUT=${OUT:-gpu-check}
 KIT=${KIT:-.device}
 BUDGET=${BUDGET:-560}
+CONFIGS=${CONFIGS:-examples/experiment/gpu-base-matched.toml}
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 mkdir -p "$OUT"
@@ -45,12 +47,16 @@ export PYTHONPATH="$site:$fairseq_src:$(pwd)" PATH="$site/bin:$PATH"
   echo "set-up: $(( $(date +%s) - T0 )) s"
 } | tee "$OUT/env.txt"
 
-# 1. The budget-matched comparison at the base shape (issue 47).
-records=work-experiment-gpu-base-matched-records
-mkdir -p "$records"
-python3 -m mlmha_fairseq.cli.experiment examples/experiment/gpu-base-matched.toml --jobs 4 --threads 2 \
-  --records "$records" > "$OUT/matched.log" 2>&1 &
-runner=$!
+# 1. The grids, each run's records in work-experiment-records/<config>.
+runners=()
+for config in $CONFIGS; do
+  name=$(basename "$config" .toml)
+  mkdir -p "work-experiment-records/$name"
+  python3 -m mlmha_fairseq.cli.experiment "$config" --jobs 8 --threads 2 \
+    --records "work-experiment-records/$name" > "$OUT/$name.log" 2>&1 &
+  runners+=($!)
+done
+running() { for pid in "${runners[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }
 
 # 2. The README's GPU snippets that the tier does not run: fairseq-train under torchrun with
 # --fp16 and --checkpoint-activations, then fairseq-generate on the GPU (tiny model, 20 updates).
@@ -75,9 +81,10 @@ timeout $(( $(left) - 60 )) python3 -m pytest tests -m cuda -n 6 -q -rfE -p no:c
 echo "pytest -m cuda: rc $? after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.txt"
 tail -3 "$OUT/pytest-cuda.log"
 
-# 4. Wait for the runner while the budget lasts, then keep what it wrote (no checkpoints).
-while kill -0 $runner 2>/dev/null && [ "$(left)" -gt 25 ]; do sleep 5; done
-kill -0 $runner 2>/dev/null && echo "runner still running at the budget: stopped" | tee -a "$OUT/env.txt"
-tar -czf "$OUT/matched-runs.tgz" --exclude='*.pt' "$records" work-experiment-gpu-base-matched
+# 4. Wait for the runners while the budget lasts, then keep what they wrote (no checkpoints).
+while running && [ "$(left)" -gt 25 ]; do sleep 5; done
+running && echo "a runner was still running at the budget" | tee -a "$OUT/env.txt"
+work_dirs=$(for config in $CONFIGS; do sed -n 's/^work_dir = "\(.*\)"/\1/p' "$config"; done)
+tar -czf "$OUT/runs.tgz" --exclude='*.pt' work-experiment-records $work_dirs
 nvidia-smi >> "$OUT/env.txt" 2>&1
 echo "done after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.txt"
