@@ -84,7 +84,8 @@ tail -3 "$OUT/pytest-cuda.log"
 # 4. Wait for the runners while the budget lasts, then keep what they wrote (no checkpoints).
 while running && [ "$(left)" -gt 25 ]; do sleep 5; done
 running && echo "a runner was still running at the budget" | tee -a "$OUT/env.txt"
-work_dirs=$(for config in $CONFIGS; do sed -n 's/^work_dir = "\(.*\)"/\1/p' "$config"; done)
+work_dirs=$(python3 -c 'import sys; from mlmha_fairseq.experiments.config import load_config
+print(*(load_config(path).work_dir for path in sys.argv[1:]))' $CONFIGS)
 tar -czf "$OUT/runs.tgz" --exclude='*.pt' work-experiment-records $work_dirs
 nvidia-smi >> "$OUT/env.txt" 2>&1
 echo "done after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.txt"
