@@ -30,6 +30,7 @@ COMMITTED = {
     "convergence-mlrf-dc.toml": "convergence/seed3",
     "convergence-others.toml": "convergence/others/seeds1-3",
     "convergence-matched.toml": "convergence/matched",
+    "convergence-de-en.toml": "convergence-de-en",
     "mlrf-fusion-weights.toml": "convergence/fusion-weights",
     "convergence-dc-document-lr.toml": "convergence-dc-document-lr",
     "convergence-mlrf-document-lr.toml": "convergence-mlrf-document-lr/seeds2-3",
