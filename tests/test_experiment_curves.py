@@ -178,10 +178,14 @@ def stopped_attempt_with_an_unbeatable_first_validation(config, work, cap: int, 
 # CI trains the default metric's case; the count itself is unit-tested for both metrics
 # (test_validations_since_best_*); `make exhaustive` trains the loss case too
 @pytest.mark.parametrize("metric", ["bleu", pytest.param("loss", marks=pytest.mark.exhaustive)])
-def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, corpus, metric):
+def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, corpus, metric, monkeypatch):
     """fairseq-train counts --patience afresh after a resume; the runner stops the resumed run
     where an uninterrupted one would have stopped: ``patience`` validations after the best of
     all its attempts in the convergence metric, once the last one's checkpoint is saved."""
+    # the runner must see update 75's checkpoint before update 100's is saved: 25 updates of
+    # this toy model take about a second, the runner's default check interval, and a loaded
+    # CI machine once lost that race; a real run's validations are minutes apart
+    monkeypatch.setattr(grid, "STOP_CHECK_SECONDS", 0.05)
     work, config = tmp_path / "work", tmp_path / "grid.toml"
     config.write_text(CONVERGENCE.replace("max_update = 80", "max_update = 400\nwarmup_updates = 10")
                       .replace("validate_every = 4", f'validate_every = 25\nmetric = "{metric}"')
@@ -195,7 +199,7 @@ def test_a_resumed_run_stops_by_the_count_over_all_its_attempts(tmp_path, corpus
 
     assert experiment.main([str(config), "--ar-trials", "10", "--bootstrap-samples", "10"]) == 0
     seed = json.loads((work / "results-curves.json").read_text())["seeds"]["Transformer (fairseq)"]["1"]
-    # stopped at its last validation (the runner stops it within a second of that checkpoint)
+    # stopped at its last validation (the runner stops it within STOP_CHECK_SECONDS of that checkpoint)
     assert (seed["stopped_at"], seed["validations"]) == (75, 3)
     # the report has the best of both, whichever metric stopped the run
     assert seed["best_update" if metric == "bleu" else "lowest_loss_update"] == 25
