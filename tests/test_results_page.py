@@ -81,7 +81,6 @@ def test_every_runner_table_of_the_documented_grids_is_on_the_page():
         "docs/experiment/convergence-de-en/results.md",
         "docs/experiment/convergence-dc-document-lr/results.md",
         "docs/experiment/convergence-mlrf-document-lr/results.md",
-        "docs/experiment/convergence-mlrf-document-lr/seeds2-3/results.md",
         "docs/experiment/convergence-mlrf-document-lr-loss/seed2/results.md",
         "docs/experiment/convergence-mlrf-document-lr-fixed/seed2/results.md",
         "docs/experiment/gpu-base/results.md",

@@ -33,7 +33,7 @@ COMMITTED = {
     "convergence-de-en.toml": "convergence-de-en",
     "mlrf-fusion-weights.toml": "convergence/fusion-weights",
     "convergence-dc-document-lr.toml": "convergence-dc-document-lr",
-    "convergence-mlrf-document-lr.toml": "convergence-mlrf-document-lr/seeds2-3",
+    "convergence-mlrf-document-lr.toml": "convergence-mlrf-document-lr",
     "convergence-mlrf-document-lr-loss.toml": "convergence-mlrf-document-lr-loss/seed2",
     "convergence-mlrf-document-lr-fixed.toml": "convergence-mlrf-document-lr-fixed/seed2",
     "gpu-d128-dc.toml": "gpu-base/enc-dc/d128",
