@@ -184,14 +184,18 @@ def test_a_typed_option_is_named_as_typed_and_the_note_never_reaches_the_model_a
     assert not [name for name in vars(args) if name.startswith("_mlmha")]  # nothing extra in a checkpoint
 
 
-@pytest.mark.parametrize("arch, extra", [
-    ("mlmha_transformer_wmt_en_de", []),  # the preset sets --mlmha-variant M-10: not typed
-    ("mlmha_transformer_iwslt", ["--mlmha-variant", "M-00"]),  # typed, turned on by the preset
-    ("layer_aggregation_transformer_iwslt", ["--mlmha-top-n", "2"]),
-    ("mma_transformer_iwslt_de_en", ["--mma-local-window", "1"]),
+@pytest.mark.parametrize("arch, extra, option, value, module", [
+    # the preset sets --mlmha-variant M-10: not typed
+    ("mlmha_transformer_wmt_en_de", [], "mlmha_variant", "M-10", "MultiLayerMultiheadAttention"),
+    # typed, turned on by the preset
+    ("mlmha_transformer_iwslt", ["--mlmha-variant", "M-00"], "mlmha_variant", "M-00", "MultiLayerMultiheadAttention"),
+    ("layer_aggregation_transformer_iwslt", ["--mlmha-top-n", "2"], "mlmha_top_n", 2, "IterativeAggregation"),
+    ("mma_transformer_iwslt_de_en", ["--mma-local-window", "1"], "mma_local_window", 1, "MixedMultiheadAttention"),
 ])
-def test_what_a_preset_sets_or_turns_on_is_not_refused(arch, extra):
-    build_model(arch, *extra)
+def test_what_a_preset_sets_or_turns_on_is_not_refused(arch, extra, option, value, module):
+    model = build_model(arch, *extra)
+    assert getattr(model.args, option) == value
+    assert module in {type(m).__name__ for m in model.modules()}  # the mechanism is on, not only parsed
 
 
 def test_a_typed_option_whose_mechanism_a_preset_turns_on_is_refused_once_the_user_turns_it_off():
