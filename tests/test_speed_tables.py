@@ -13,7 +13,8 @@ from test_docs_links import markdown_files
 from test_results_page import tables
 
 ROOT = Path(__file__).resolve().parent.parent
-OUTPUTS = sorted((ROOT / "docs" / "benchmark").rglob("benchmark.md"))
+OUTPUTS = {path: path.read_text(encoding="utf-8").splitlines()
+           for path in sorted((ROOT / "docs" / "benchmark").rglob("benchmark.md"))}
 
 
 def speed_tables():
@@ -24,18 +25,20 @@ def speed_tables():
             if table[0].startswith("| configuration | params |")]
 
 
+SPEED_TABLES = speed_tables()
+
+
 def test_the_pages_have_speed_tables():
     assert len(OUTPUTS) >= 2, "the committed benchmark outputs are gone"
-    assert len(speed_tables()) >= 7, "the docs have lost their speed tables"
+    assert len(SPEED_TABLES) >= 7, "the docs have lost their speed tables"
 
 
-@pytest.mark.parametrize("page, line, table", speed_tables(),
+@pytest.mark.parametrize("page, line, table", SPEED_TABLES,
                          ids=lambda value: value if isinstance(value, (str, int)) else "")
 def test_every_speed_table_is_rows_of_one_benchmark_output(page, line, table):
-    outputs = [path.read_text(encoding="utf-8").splitlines() for path in OUTPUTS]
-    outputs = [set(lines) for lines in outputs if lines[:2] == table[:2]]
-    assert outputs, f"{page}:{line}: its header is no committed benchmark.md's"
+    candidates = [set(lines) for lines in OUTPUTS.values() if lines[:2] == table[:2]]
+    assert candidates, f"{page}:{line}: its header is no committed benchmark.md's"
     rows = set(table[2:])
-    assert any(rows <= lines for lines in outputs), (
+    assert any(rows <= lines for lines in candidates), (
         f"{page}:{line}: rows of no single benchmark output (copy them again from docs/benchmark): "
-        f"{sorted(row for row in rows if not any(row in lines for lines in outputs))}")
+        f"{sorted(row for row in rows if not any(row in lines for lines in candidates))}")
