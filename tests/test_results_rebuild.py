@@ -27,7 +27,7 @@ COMMITTED = {
     "mechanisms.toml": "mechanisms",
     "mechanisms-dlcl.toml": "mechanisms/dlcl",
     "mechanisms-matched.toml": "mechanisms/matched",
-    "convergence-mlrf-dc.toml": "convergence/seed3",
+    "convergence-mlrf-dc.toml": "convergence",
     "convergence-others.toml": "convergence/others/seeds1-3",
     "convergence-matched.toml": "convergence/matched",
     "convergence-de-en.toml": "convergence-de-en",
