@@ -4,7 +4,8 @@ Every Markdown table of RESULTS.md sits under a line ``Source: [FILE](FILE)`` (a
 file: ``results.md``, ``results-curves.md``) or ``Derived: ...`` (computed from such files by a
 command given there). Each table under a ``Source:`` line must equal, line for line and byte for
 byte, one of the tables of FILE; a table under neither is refused, so a table cannot be added by
-hand without saying where it comes from.
+hand without saying where it comes from. Elsewhere in the docs, a table with the header of a
+runner output's table must be rows of that output.
 """
 import re
 from pathlib import Path
@@ -94,3 +95,33 @@ def test_the_table_reader_finds_tables_and_their_source():
     assert provenance(lines, 3) == ("source", "a/results.md")
     assert provenance(lines, 8) is None
     assert provenance(lines, 10) == ("derived", None)
+
+
+def copied_runner_tables():
+    """(page, line number, table lines) of every table outside RESULTS.md and the runner's output
+    files whose header is the header of a table of a committed runner output file."""
+    from test_docs_links import markdown_files
+
+    outputs = {path: path.read_text(encoding="utf-8").splitlines()
+               for path in (ROOT / "docs").rglob("results*.md")}
+    headers = {tuple(table[:2]) for lines in outputs.values() for _, table in tables(lines)}
+    found = [(str(page.relative_to(ROOT)), start + 1, table)
+             for page in markdown_files() if page not in outputs and page != PAGE
+             for start, table in tables(page.read_text(encoding="utf-8").splitlines())
+             if tuple(table[:2]) in headers]
+    return outputs, found
+
+
+def test_every_copy_of_a_runner_table_in_the_docs_is_rows_of_one_output():
+    """The example pages and docs quote the runner's tables; a copied table keeps the runner's
+    header and may drop rows, but each row must be byte for byte a row of one output file (the
+    one that has its header), so it cannot drift when a grid is rebuilt."""
+    outputs, found = copied_runner_tables()
+    assert len(found) >= 9, "the docs have lost their copies of the runner's tables"
+    drifted = []
+    for page, line, table in found:
+        if not any(table[:2] == lines[index:index + 2] and set(table[2:]) <= set(lines)
+                   for lines in outputs.values() for index, _ in tables(lines)):
+            drifted.append(f"{page}:{line}")
+    assert not drifted, ("tables with a runner header but rows of no single output file "
+                         f"(copy them again from the output): {drifted}")
