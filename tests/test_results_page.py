@@ -5,7 +5,12 @@ file: ``results.md``, ``results-curves.md``) or ``Derived: ...`` (computed from 
 command given there). Each table under a ``Source:`` line must equal, line for line and byte for
 byte, one of the tables of FILE; a table under neither is refused, so a table cannot be added by
 hand without saying where it comes from. Elsewhere in the docs, a table with the header of a
-runner output's table must be rows of that output.
+runner output's table must be rows of that output, and a table that merges several outputs sits
+under a line ``Sources: [FILE](LINK), ...`` (FILE the repository path, LINK relative to the
+page): every cell of a row must be a cell of the same system's row (the first cell) in one of
+those files. Any other table of systems (its first header cell "system", as the runner writes it;
+the papers' tables say "System" or "Model") sits under a ``Derived:`` line that gives the command
+printing it.
 """
 import re
 from pathlib import Path
@@ -13,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "RESULTS.md"
 SOURCE = re.compile(r"^Source: \[([^\]]+)\]\(([^)]+)\)\s*$")
+SOURCES = re.compile(r"^Sources: (\[([^\]]+)\]\(([^)]+)\)(, |\s*$))+")
+LINK = re.compile(r"\[([^\]]+)\]\(([^)]+)\)")
 
 
 def tables(lines):
@@ -31,8 +38,10 @@ def tables(lines):
 
 
 def provenance(lines, start):
-    """What the table starting at ``start`` is under: ('source', path), ('derived', None) or
-    None, from the nearest ``Source:``/``Derived:`` line above it that no heading separates."""
+    """What the table starting at ``start`` is under: ('source', path), ('sources', [(link text,
+    target)]),
+    ('derived', None) or None, from the nearest ``Source:``/``Sources:``/``Derived:`` line above
+    it that no heading separates."""
     for line in reversed(lines[:start]):
         if line.startswith("#"):
             return None
@@ -40,6 +49,8 @@ def provenance(lines, start):
         if match:
             assert match.group(1) == match.group(2), f"Source link text and target differ: {line!r}"
             return "source", match.group(2)
+        if SOURCES.match(line):
+            return "sources", LINK.findall(line)
         if line.startswith("Derived:"):
             return "derived", None
     return None
@@ -97,6 +108,13 @@ def test_the_table_reader_finds_tables_and_their_source():
     assert provenance(lines, 10) == ("derived", None)
 
 
+def is_rows_of_one_output(table, outputs):
+    """Whether ``table`` has the header (first two lines) of a table of one of ``outputs`` (each
+    the lines of an output file) and, besides it, only lines of that same output."""
+    return any(table[:2] == lines[start:start + 2] and set(table[2:]) <= set(lines)
+               for lines in outputs for start, _ in tables(lines))
+
+
 def copied_runner_tables():
     """(page, line number, table lines) of every table outside RESULTS.md and the runner's output
     files whose header is the header of a table of a committed runner output file."""
@@ -118,10 +136,81 @@ def test_every_copy_of_a_runner_table_in_the_docs_is_rows_of_one_output():
     one that has its header), so it cannot drift when a grid is rebuilt."""
     outputs, found = copied_runner_tables()
     assert len(found) >= 9, "the docs have lost their copies of the runner's tables"
-    drifted = []
-    for page, line, table in found:
-        if not any(table[:2] == lines[index:index + 2] and set(table[2:]) <= set(lines)
-                   for lines in outputs.values() for index, _ in tables(lines)):
-            drifted.append(f"{page}:{line}")
+    drifted = [f"{page}:{line}" for page, line, table in found
+               if not is_rows_of_one_output(table, outputs.values())]
     assert not drifted, ("tables with a runner header but rows of no single output file "
                          f"(copy them again from the output): {drifted}")
+
+
+def cells(row):
+    return [cell.strip() for cell in row.strip().strip("|").split("|")]
+
+
+def merged_table_faults(table, sources):
+    """The cells of ``table`` (below its header) that are no cell of their system's row in any
+    of ``sources`` (each the lines of an output file), as 'system: cell'."""
+    known = {}
+    for lines in sources:
+        for _, output in tables(lines):
+            for row in output[2:]:
+                system, *rest = cells(row)
+                known.setdefault(system, set()).update(rest)
+    return [f"{system}: {cell!r}" for system, *rest in map(cells, table[2:])
+            for cell in rest if cell and cell not in known.get(system, ())]
+
+
+def merged_tables():
+    """(page, line number, table, [source files]) of every table under a ``Sources:`` line."""
+    from test_docs_links import markdown_files
+
+    found = []
+    for page in markdown_files():
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for start, table in tables(lines):
+            origin = provenance(lines, start)
+            if origin and origin[0] == "sources":
+                sources = [(page.parent / target).resolve() for _, target in origin[1]]
+                named = [text for text, _ in origin[1]]
+                assert named == [str(path.relative_to(ROOT)) for path in sources], (
+                    f"{page.relative_to(ROOT)}:{start + 1}: a Sources link's text is not the "
+                    f"repository path of its target: {named}")
+                found.append((page, start + 1, table, sources))
+    return found
+
+
+def test_every_cell_of_a_merged_table_is_a_cell_of_its_system_in_its_sources():
+    found = merged_tables()
+    assert len(found) >= 8, "the docs have lost their merged tables"
+    faults = []
+    for page, line, table, sources in found:
+        missing = [str(path) for path in sources if not path.is_file()]
+        assert not missing, f"{page.relative_to(ROOT)}:{line}: Sources do not exist: {missing}"
+        faults += [f"{page.relative_to(ROOT)}:{line}: {fault}" for fault in merged_table_faults(
+            table, [path.read_text(encoding="utf-8").splitlines() for path in sources])]
+    assert not faults, "cells of merged tables not in their sources (copy them again):\n" + "\n".join(faults)
+
+
+def test_the_merged_table_check_finds_a_changed_cell():
+    output = ["| system | BLEU | Δ |", "|---|---|---|", "| A | 1.00 | |", "| B | 2.00‡ | +1.00 |"]
+    good = ["| system | converged | Δ |", "|---|---|---|", "| A | 1.00 | |", "| B | 2.00‡ | +1.00 |"]
+    assert merged_table_faults(good, [output]) == []
+    assert merged_table_faults(good[:3] + ["| B | 2.00 | +1.00 |"], [output]) == ["B: '2.00'"]
+    assert merged_table_faults(good[:2] + ["| A | 2.00‡ | |"], [output]) == ["A: '2.00‡'"]
+
+
+def test_every_table_of_systems_in_the_docs_says_where_it_comes_from():
+    from test_docs_links import markdown_files
+
+    outputs, copies = copied_runner_tables()
+    copied = {(page, line) for page, line, _ in copies}
+    pages = [page for page in markdown_files() if page not in outputs and page != PAGE]
+    unsourced = []
+    for page in pages:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for start, table in tables(lines):
+            if cells(table[0])[0] == "system" and provenance(lines, start) is None and (
+                    str(page.relative_to(ROOT)), start + 1) not in copied:
+                unsourced.append(f"{page.relative_to(ROOT)}:{start + 1}")
+    assert len(pages) >= 30, "the Markdown pages are gone"
+    assert not unsourced, ("tables of systems under no Sources:/Derived: line and copying no "
+                           f"runner output: {unsourced}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from test_docs_links import markdown_files
-from test_results_page import tables
+from test_results_page import is_rows_of_one_output, tables
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUTS = {path: path.read_text(encoding="utf-8").splitlines()
@@ -36,9 +36,8 @@ def test_the_pages_have_speed_tables():
 @pytest.mark.parametrize("page, line, table", SPEED_TABLES,
                          ids=lambda value: value if isinstance(value, (str, int)) else "")
 def test_every_speed_table_is_rows_of_one_benchmark_output(page, line, table):
-    candidates = [set(lines) for lines in OUTPUTS.values() if lines[:2] == table[:2]]
-    assert candidates, f"{page}:{line}: its header is no committed benchmark.md's"
-    rows = set(table[2:])
-    assert any(rows <= lines for lines in candidates), (
+    assert any(lines[:2] == table[:2] for lines in OUTPUTS.values()), (
+        f"{page}:{line}: its header is no committed benchmark.md's")
+    assert is_rows_of_one_output(table, OUTPUTS.values()), (
         f"{page}:{line}: rows of no single benchmark output (copy them again from docs/benchmark): "
-        f"{sorted(row for row in rows if not any(row in lines for lines in candidates))}")
+        f"{sorted(row for row in table[2:] if not any(row in lines for lines in OUTPUTS.values()))}")
