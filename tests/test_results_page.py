@@ -38,10 +38,9 @@ def tables(lines):
 
 
 def provenance(lines, start):
-    """What the table starting at ``start`` is under: ('source', path), ('sources', [(link text,
-    target)]),
-    ('derived', None) or None, from the nearest ``Source:``/``Sources:``/``Derived:`` line above
-    it that no heading separates."""
+    """What the table starting at ``start`` is under: ('source', path), ('sources', [(link
+    text, target), ...]), ('derived', None) or None, from the nearest ``Source:``/``Sources:``/
+    ``Derived:`` line above it that no heading separates."""
     for line in reversed(lines[:start]):
         if line.startswith("#"):
             return None
@@ -106,6 +105,8 @@ def test_the_table_reader_finds_tables_and_their_source():
     assert provenance(lines, 3) == ("source", "a/results.md")
     assert provenance(lines, 8) is None
     assert provenance(lines, 10) == ("derived", None)
+    merged = ["Sources: [a/r.md](../a/r.md), [b/r.md](b/r.md)", "", "| x |"]
+    assert provenance(merged, 2) == ("sources", [("a/r.md", "../a/r.md"), ("b/r.md", "b/r.md")])
 
 
 def is_rows_of_one_output(table, outputs):
@@ -187,7 +188,8 @@ def test_every_cell_of_a_merged_table_is_a_cell_of_its_system_in_its_sources():
         assert not missing, f"{page.relative_to(ROOT)}:{line}: Sources do not exist: {missing}"
         faults += [f"{page.relative_to(ROOT)}:{line}: {fault}" for fault in merged_table_faults(
             table, [path.read_text(encoding="utf-8").splitlines() for path in sources])]
-    assert not faults, "cells of merged tables not in their sources (copy them again):\n" + "\n".join(faults)
+    assert not faults, ("cells of merged tables not in their sources (copy them again):\n"
+                        + "\n".join(faults))
 
 
 def test_the_merged_table_check_finds_a_changed_cell():
