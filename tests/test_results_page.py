@@ -12,6 +12,7 @@ those files. Any other table of systems (its first header cell "system", as the 
 the papers' tables say "System" or "Model") sits under a ``Derived:`` line that gives the command
 printing it.
 """
+import functools
 import re
 from pathlib import Path
 
@@ -116,29 +117,44 @@ def is_rows_of_one_output(table, outputs):
                for lines in outputs for start, _ in tables(lines))
 
 
+@functools.lru_cache(maxsize=None)
+def runner_outputs():
+    """{path: lines} of every committed runner output file (``results.md``, ``results-curves.md``)."""
+    return {path: path.read_text(encoding="utf-8").splitlines()
+            for path in (ROOT / "docs").rglob("results*.md")}
+
+
+@functools.lru_cache(maxsize=None)
+def docs_tables():
+    """(page, line number, table lines, provenance) of every table of the Markdown pages other
+    than the runner's output files (RESULTS.md included), each page read once."""
+    from test_docs_links import markdown_files
+
+    found = []
+    for page in markdown_files():
+        if page in runner_outputs():
+            continue
+        lines = page.read_text(encoding="utf-8").splitlines()
+        found += [(page, start + 1, table, provenance(lines, start)) for start, table in tables(lines)]
+    return found
+
+
 def copied_runner_tables():
     """(page, line number, table lines) of every table outside RESULTS.md and the runner's output
     files whose header is the header of a table of a committed runner output file."""
-    from test_docs_links import markdown_files
-
-    outputs = {path: path.read_text(encoding="utf-8").splitlines()
-               for path in (ROOT / "docs").rglob("results*.md")}
-    headers = {tuple(table[:2]) for lines in outputs.values() for _, table in tables(lines)}
-    found = [(str(page.relative_to(ROOT)), start + 1, table)
-             for page in markdown_files() if page not in outputs and page != PAGE
-             for start, table in tables(page.read_text(encoding="utf-8").splitlines())
-             if tuple(table[:2]) in headers]
-    return outputs, found
+    headers = {tuple(table[:2]) for lines in runner_outputs().values() for _, table in tables(lines)}
+    return [(str(page.relative_to(ROOT)), line, table) for page, line, table, _ in docs_tables()
+            if page != PAGE and tuple(table[:2]) in headers]
 
 
 def test_every_copy_of_a_runner_table_in_the_docs_is_rows_of_one_output():
     """The example pages and docs quote the runner's tables; a copied table keeps the runner's
     header and may drop rows, but each row must be byte for byte a row of one output file (the
     one that has its header), so it cannot drift when a grid is rebuilt."""
-    outputs, found = copied_runner_tables()
+    found = copied_runner_tables()
     assert len(found) >= 9, "the docs have lost their copies of the runner's tables"
     drifted = [f"{page}:{line}" for page, line, table in found
-               if not is_rows_of_one_output(table, outputs.values())]
+               if not is_rows_of_one_output(table, runner_outputs().values())]
     assert not drifted, ("tables with a runner header but rows of no single output file "
                          f"(copy them again from the output): {drifted}")
 
@@ -162,20 +178,15 @@ def merged_table_faults(table, sources):
 
 def merged_tables():
     """(page, line number, table, [source files]) of every table under a ``Sources:`` line."""
-    from test_docs_links import markdown_files
-
     found = []
-    for page in markdown_files():
-        lines = page.read_text(encoding="utf-8").splitlines()
-        for start, table in tables(lines):
-            origin = provenance(lines, start)
-            if origin and origin[0] == "sources":
-                sources = [(page.parent / target).resolve() for _, target in origin[1]]
-                named = [text for text, _ in origin[1]]
-                assert named == [str(path.relative_to(ROOT)) for path in sources], (
-                    f"{page.relative_to(ROOT)}:{start + 1}: a Sources link's text is not the "
-                    f"repository path of its target: {named}")
-                found.append((page, start + 1, table, sources))
+    for page, line, table, origin in docs_tables():
+        if origin and origin[0] == "sources":
+            sources = [(page.parent / target).resolve() for _, target in origin[1]]
+            named = [text for text, _ in origin[1]]
+            assert named == [str(path.relative_to(ROOT)) for path in sources], (
+                f"{page.relative_to(ROOT)}:{line}: a Sources link's text is not the "
+                f"repository path of its target: {named}")
+            found.append((page, line, table, sources))
     return found
 
 
@@ -201,18 +212,11 @@ def test_the_merged_table_check_finds_a_changed_cell():
 
 
 def test_every_table_of_systems_in_the_docs_says_where_it_comes_from():
-    from test_docs_links import markdown_files
-
-    outputs, copies = copied_runner_tables()
-    copied = {(page, line) for page, line, _ in copies}
-    pages = [page for page in markdown_files() if page not in outputs and page != PAGE]
-    unsourced = []
-    for page in pages:
-        lines = page.read_text(encoding="utf-8").splitlines()
-        for start, table in tables(lines):
-            if cells(table[0])[0] == "system" and provenance(lines, start) is None and (
-                    str(page.relative_to(ROOT)), start + 1) not in copied:
-                unsourced.append(f"{page.relative_to(ROOT)}:{start + 1}")
+    copied = {(page, line) for page, line, _ in copied_runner_tables()}
+    pages = {page for page, _, _, _ in docs_tables()} - {PAGE}
+    unsourced = [f"{page.relative_to(ROOT)}:{line}" for page, line, table, origin in docs_tables()
+                 if page != PAGE and cells(table[0])[0] == "system" and origin is None
+                 and (str(page.relative_to(ROOT)), line) not in copied]
     assert len(pages) >= 30, "the Markdown pages are gone"
     assert not unsourced, ("tables of systems under no Sources:/Derived: line and copying no "
                            f"runner output: {unsourced}")

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_docs_links import markdown_files
-from test_results_page import is_rows_of_one_output, tables
+from test_results_page import docs_tables, is_rows_of_one_output
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUTS = {path: path.read_text(encoding="utf-8").splitlines()
@@ -19,10 +18,8 @@ OUTPUTS = {path: path.read_text(encoding="utf-8").splitlines()
 
 def speed_tables():
     """(page, line number, table lines) of every benchmark-shaped table outside the outputs."""
-    return [(str(page.relative_to(ROOT)), start + 1, table)
-            for page in markdown_files() if page not in OUTPUTS
-            for start, table in tables(page.read_text(encoding="utf-8").splitlines())
-            if table[0].startswith("| configuration | params |")]
+    return [(str(page.relative_to(ROOT)), line, table) for page, line, table, _ in docs_tables()
+            if page not in OUTPUTS and table[0].startswith("| configuration | params |")]
 
 
 SPEED_TABLES = speed_tables()
