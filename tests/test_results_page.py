@@ -10,9 +10,13 @@ under a line ``Sources: [FILE](LINK), ...`` (FILE the repository path, LINK rela
 page): every cell of a row must be a cell of the same system's row (the first cell) in one of
 those files. Any other table of systems (its first header cell "system", as the runner writes it;
 the papers' tables say "System" or "Model") sits under a ``Derived:`` line that gives the command
-printing it.
+printing it. A table of validation BLEU read from curve reports sits under a ``Derived:``
+paragraph that links its results-curves.json (columns: updates) or says "at update N" (rows: each
+linking its own results-curves.json); every cell must be the report's value.
 """
 import functools
+import itertools
+import json
 import re
 from pathlib import Path
 
@@ -40,9 +44,10 @@ def tables(lines):
 
 def provenance(lines, start):
     """What the table starting at ``start`` is under: ('source', path), ('sources', [(link
-    text, target), ...]), ('derived', None) or None, from the nearest ``Source:``/``Sources:``/
-    ``Derived:`` line above it that no heading separates."""
-    for line in reversed(lines[:start]):
+    text, target), ...]), ('derived', the Derived paragraph) or None, from the nearest ``Source:``/
+    ``Sources:``/``Derived:`` line above it that no heading separates."""
+    for index in range(start - 1, -1, -1):
+        line = lines[index]
         if line.startswith("#"):
             return None
         match = SOURCE.match(line)
@@ -52,7 +57,8 @@ def provenance(lines, start):
         if SOURCES.match(line):
             return "sources", LINK.findall(line)
         if line.startswith("Derived:"):
-            return "derived", None
+            paragraph = itertools.takewhile(lambda text: text and not text.startswith("|"), lines[index:])
+            return "derived", " ".join(paragraph)
     return None
 
 
@@ -105,7 +111,7 @@ def test_the_table_reader_finds_tables_and_their_source():
     assert tables(lines) == [(3, ["| x |", "|---|", "| 1 |"]), (8, ["| y |"]), (10, ["| z |"])]
     assert provenance(lines, 3) == ("source", "a/results.md")
     assert provenance(lines, 8) is None
-    assert provenance(lines, 10) == ("derived", None)
+    assert provenance(lines, 10) == ("derived", "Derived: by hand")
     merged = ["Sources: [a/r.md](../a/r.md), [b/r.md](b/r.md)", "", "| x |"]
     assert provenance(merged, 2) == ("sources", [("a/r.md", "../a/r.md"), ("b/r.md", "b/r.md")])
 
@@ -220,3 +226,112 @@ def test_every_table_of_systems_in_the_docs_says_where_it_comes_from():
     assert len(pages) >= 30, "the Markdown pages are gone"
     assert not unsourced, ("tables of systems under no Sources:/Derived: line and copying no "
                            f"runner output: {unsourced}")
+
+
+AT_UPDATE = re.compile(r"at update ([\d,]+)")
+NOTE_COLUMNS = {"GPU"}
+
+
+def update_number(text):
+    return float(text.replace(",", ""))
+
+
+def seed_values(report, system, key, update):
+    """``key`` ('bleu' or 'loss') of each seed of ``system`` at ``update``, in seed order."""
+    runs = report["curves"][system]
+    return [dict(runs[seed][key])[update] for seed in sorted(runs, key=int)]
+
+
+def update_columns_faults(table, report):
+    """Faults of a table of validation BLEU by update (header ``| update | 1,000 | ... |``, one
+    row per system, each cell the seeds' BLEU as 'seed 1 / seed 2 / ...') against ``report``
+    (a results-curves.json)."""
+    header = cells(table[0])
+    assert header[0] == "update", f"a curve table by update starts with 'update': {table[0]!r}"
+    updates = [update_number(cell) for cell in header[1:]]
+    faults = []
+    for system, *row in map(cells, table[2:]):
+        for update, cell in zip(updates, row):
+            try:
+                expected = " / ".join(f"{value:.2f}" for value in seed_values(report, system, "bleu", update))
+            except KeyError:
+                expected = "no such system or update in the report"
+            if cell != expected:
+                faults.append(f"{system} at {update:.0f}: {cell!r}, the report says {expected!r}")
+    return faults
+
+
+def row_reports_faults(table, update, read_report):
+    """Faults of a table with one row per results-curves.json (linked in the row's first cell;
+    ``read_report(target)`` reads it), at one ``update``: a system's column holds
+    'BLEU (loss)', a column 'A − B' the difference of A's and B's BLEU (one seed each)."""
+    header = cells(table[0])
+    faults = []
+    for first, *row in map(cells, table[2:]):
+        link = LINK.search(first)
+        if not link:
+            faults.append(f"{first!r}: no link to its results-curves.json")
+            continue
+        report, bleu = read_report(link.group(2)), {}
+        for name, cell in zip(header[1:], row):
+            if name in report["curves"]:
+                (bleu[name],), (loss,) = (seed_values(report, name, key, update) for key in ("bleu", "loss"))
+                expected = f"{bleu[name]:.2f} ({loss:.3f})"
+            elif " − " in name and set(name.split(" − ")) <= set(bleu):
+                minuend, subtrahend = name.split(" − ")
+                expected = f"{bleu[minuend] - bleu[subtrahend]:+.2f}".replace("-", "−")
+            elif name in NOTE_COLUMNS:
+                continue
+            else:
+                expected = "a column of a system of the report (or 'A − B' of two)"
+            if cell != expected:
+                faults.append(f"{first!r}, {name}: {cell!r}, the report says {expected!r}")
+    return faults
+
+
+def curve_tables():
+    """(page, line number, table, Derived line) of every table under a ``Derived:`` line that
+    names results-curves.json."""
+    return [(page, line, table, origin[1]) for page, line, table, origin in docs_tables()
+            if origin and origin[0] == "derived" and "results-curves.json" in origin[1]]
+
+
+def test_every_table_of_validation_bleu_is_the_curve_reports():
+    """Tables of validation BLEU at chosen updates are read from the runner's results-curves.json
+    by hand; each cell must be the report's value, formatted as the runner formats it."""
+    found = curve_tables()
+    assert len(found) >= 4, "the docs have lost their tables of validation BLEU"
+    faults = []
+    for page, line, table, derived in found:
+        where = f"{page.relative_to(ROOT)}:{line}"
+        reports = [target for text, target in LINK.findall(derived) if target.endswith(".json")]
+        if reports:
+            report = json.loads((page.parent / reports[0]).read_text(encoding="utf-8"))
+            faults += [f"{where}: {fault}" for fault in update_columns_faults(table, report)]
+        else:
+            update = AT_UPDATE.search(derived)
+            assert update, f"{where}: the Derived line names neither a report nor 'at update N'"
+            faults += [f"{where}: {fault}" for fault in row_reports_faults(
+                table, update_number(update.group(1)),
+                lambda target: json.loads((page.parent / target).read_text(encoding="utf-8")))]
+    assert not faults, "validation BLEU that is not its curve report's:\n" + "\n".join(faults)
+
+
+def test_the_curve_table_checks_find_a_changed_cell():
+    report = {"curves": {"A": {"1": {"bleu": [[200.0, 1.5]], "loss": [[200.0, 7.25]]},
+                               "2": {"bleu": [[200.0, 2.0]], "loss": [[200.0, 7.0]]}},
+                         "B": {"1": {"bleu": [[200.0, 3.25]], "loss": [[200.0, 6.5]]}}}}
+    by_update = ["| update | 200 |", "|---|---|", "| A | 1.50 / 2.00 |"]
+    assert update_columns_faults(by_update, report) == []
+    assert update_columns_faults(by_update[:2] + ["| A | 2.00 / 1.50 |"], report) != []
+    one_seed = {"curves": {name: {"1": runs["1"]} for name, runs in report["curves"].items()}}
+    by_row = ["| change | GPU | A | B | B − A |", "|---|---|---|---|---|",
+              "| [x](r.json) | H200 | 1.50 (7.250) | 3.25 (6.500) | +1.75 |"]
+    assert row_reports_faults(by_row, 200.0, lambda target: one_seed) == []
+    for wrong in ("1.50 (7.25)", "1.75 (7.250)"):
+        changed = by_row[:2] + [by_row[2].replace("1.50 (7.250)", wrong)]
+        assert row_reports_faults(changed, 200.0, lambda target: one_seed) != []
+    assert row_reports_faults(by_row[:2] + [by_row[2].replace("+1.75", "−1.75")], 200.0,
+                              lambda target: one_seed) != []
+    assert row_reports_faults([by_row[0].replace("| B |", "| C |")] + by_row[1:], 200.0,
+                              lambda target: one_seed) != []
