@@ -11,8 +11,9 @@ page): every cell of a row must be a cell of the same system's row (the first ce
 those files. Any other table of systems (its first header cell "system", as the runner writes it;
 the papers' tables say "System" or "Model") sits under a ``Derived:`` line that gives the command
 printing it. A table of validation BLEU read from curve reports sits under a ``Derived:``
-paragraph that links its results-curves.json (columns: updates) or says "at update N" (rows: each
-linking its own results-curves.json); every cell must be the report's value.
+paragraph that links its results-curves.json (columns: updates, and "test BLEU" from a linked
+results.json) or says "at update N" (rows: each linking its own results-curves.json); every cell
+must be the report's value.
 """
 import functools
 import itertools
@@ -242,22 +243,24 @@ def seed_values(report, system, key, update):
     return [dict(runs[seed][key])[update] for seed in sorted(runs, key=int)]
 
 
-def update_columns_faults(table, report):
+def update_columns_faults(table, report, test_bleu=None):
     """Faults of a table of validation BLEU by update (header ``| update | 1,000 | ... |``, one
     row per system, each cell the seeds' BLEU as 'seed 1 / seed 2 / ...') against ``report``
-    (a results-curves.json)."""
+    (a results-curves.json); a last column 'test BLEU' is checked against ``test_bleu`` ({system:
+    [BLEU per seed]}, from results.json)."""
     header = cells(table[0])
     assert header[0] == "update", f"a curve table by update starts with 'update': {table[0]!r}"
-    updates = [update_number(cell) for cell in header[1:]]
     faults = []
     for system, *row in map(cells, table[2:]):
-        for update, cell in zip(updates, row):
+        for column, cell in zip(header[1:], row):
             try:
-                expected = " / ".join(f"{value:.2f}" for value in seed_values(report, system, "bleu", update))
-            except KeyError:
-                expected = "no such system or update in the report"
+                values = (test_bleu[system] if column == "test BLEU"
+                          else seed_values(report, system, "bleu", update_number(column)))
+                expected = " / ".join(f"{value:.2f}" for value in values)
+            except (KeyError, TypeError, ValueError):
+                expected = "no such system, update or column in the reports"
             if cell != expected:
-                faults.append(f"{system} at {update:.0f}: {cell!r}, the report says {expected!r}")
+                faults.append(f"{system}, {column}: {cell!r}, the reports say {expected!r}")
     return faults
 
 
@@ -300,14 +303,17 @@ def test_every_table_of_validation_bleu_is_the_curve_reports():
     """Tables of validation BLEU at chosen updates are read from the runner's results-curves.json
     by hand; each cell must be the report's value, formatted as the runner formats it."""
     found = curve_tables()
-    assert len(found) >= 4, "the docs have lost their tables of validation BLEU"
+    assert len(found) >= 5, "the docs have lost their tables of validation BLEU"
     faults = []
     for page, line, table, derived in found:
         where = f"{page.relative_to(ROOT)}:{line}"
-        reports = [target for text, target in LINK.findall(derived) if target.endswith(".json")]
-        if reports:
-            report = json.loads((page.parent / reports[0]).read_text(encoding="utf-8"))
-            faults += [f"{where}: {fault}" for fault in update_columns_faults(table, report)]
+        reports = {Path(target).name: json.loads((page.parent / target).read_text(encoding="utf-8"))
+                   for _, target in LINK.findall(derived) if target.endswith(".json")}
+        if "results-curves.json" in reports:
+            test_bleu = {system["name"]: system["scores"]["BLEU"]
+                         for system in reports.get("results.json", {}).get("systems", [])}
+            faults += [f"{where}: {fault}" for fault in update_columns_faults(
+                table, reports["results-curves.json"], test_bleu)]
         else:
             update = AT_UPDATE.search(derived)
             assert update, f"{where}: the Derived line names neither a report nor 'at update N'"
@@ -321,9 +327,11 @@ def test_the_curve_table_checks_find_a_changed_cell():
     report = {"curves": {"A": {"1": {"bleu": [[200.0, 1.5]], "loss": [[200.0, 7.25]]},
                                "2": {"bleu": [[200.0, 2.0]], "loss": [[200.0, 7.0]]}},
                          "B": {"1": {"bleu": [[200.0, 3.25]], "loss": [[200.0, 6.5]]}}}}
-    by_update = ["| update | 200 |", "|---|---|", "| A | 1.50 / 2.00 |"]
-    assert update_columns_faults(by_update, report) == []
-    assert update_columns_faults(by_update[:2] + ["| A | 2.00 / 1.50 |"], report) != []
+    by_update = ["| update | 200 | test BLEU |", "|---|---|---|", "| A | 1.50 / 2.00 | 3.00 / 4.00 |"]
+    assert update_columns_faults(by_update, report, {"A": [3.0, 4.0]}) == []
+    for wrong in ("| A | 2.00 / 1.50 | 3.00 / 4.00 |", "| A | 1.50 / 2.00 | 3.00 / 4.01 |"):
+        assert update_columns_faults(by_update[:2] + [wrong], report, {"A": [3.0, 4.0]}) != []
+    assert update_columns_faults(by_update, report) != []
     one_seed = {"curves": {name: {"1": runs["1"]} for name, runs in report["curves"].items()}}
     by_row = ["| change | GPU | A | B | B − A |", "|---|---|---|---|---|",
               "| [x](r.json) | H200 | 1.50 (7.250) | 3.25 (6.500) | +1.75 |"]
