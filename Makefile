@@ -76,7 +76,7 @@ results: $(STAMP)
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/mlrf-fusion-weights.toml --seeds 1 --work-dir $(RESULTS_WORK)/mlrf-fusion-weights --records docs/experiment/convergence/fusion-weights/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-others.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-others --records docs/experiment/convergence/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-matched.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-matched --records docs/experiment/convergence/runs --report-only
-	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-de-en.toml --seeds 1-2 --work-dir $(RESULTS_WORK)/convergence-de-en --records docs/experiment/convergence-de-en/runs --report-only
+	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-de-en.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-de-en --records docs/experiment/convergence-de-en/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-dc-document-lr.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-dc-document-lr --records docs/experiment/convergence-dc-document-lr/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-document-lr.toml --seeds 1-3 --work-dir $(RESULTS_WORK)/convergence-mlrf-document-lr --records docs/experiment/convergence-mlrf-document-lr/runs --report-only
 	$(PY) -m mlmha_fairseq.cli.experiment examples/experiment/convergence-mlrf-document-lr-loss.toml --seeds 2-2 --work-dir $(RESULTS_WORK)/convergence-mlrf-document-lr-loss --records docs/experiment/convergence-mlrf-document-lr-loss/runs --report-only
