@@ -246,7 +246,7 @@ def seed_values(report, system, key, update):
 def update_columns_faults(table, report, test_bleu=None):
     """Faults of a table of validation BLEU by update (header ``| update | 1,000 | ... |``, one
     row per system, each cell the seeds' BLEU as 'seed 1 / seed 2 / ...') against ``report``
-    (a results-curves.json); a last column 'test BLEU' is checked against ``test_bleu`` ({system:
+    (a results-curves.json); a column 'test BLEU' is checked against ``test_bleu`` ({system:
     [BLEU per seed]}, from results.json)."""
     header = cells(table[0])
     assert header[0] == "update", f"a curve table by update starts with 'update': {table[0]!r}"
@@ -293,8 +293,8 @@ def row_reports_faults(table, update, read_report):
 
 
 def curve_tables():
-    """(page, line number, table, Derived line) of every table under a ``Derived:`` line that
-    names results-curves.json."""
+    """(page, line number, table, Derived paragraph) of every table under a ``Derived:``
+    paragraph that names results-curves.json."""
     return [(page, line, table, origin[1]) for page, line, table, origin in docs_tables()
             if origin and origin[0] == "derived" and "results-curves.json" in origin[1]]
 
