@@ -114,6 +114,18 @@ def test_every_relative_link_resolves(path):
     assert not broken, "broken relative links:\n" + "\n".join(broken)
 
 
+# The front door and the pages a newcomer reads stay short (CONTRIBUTING.md, "Documentation").
+LINE_LIMITS = {"README.md": 250, "examples/*/README.md": 150, "docs/testing.md": 150,
+               "docs/experiment/**/*.md": 150}
+
+
+def test_the_front_pages_stay_within_their_line_limits():
+    too_long = [f"{path.relative_to(ROOT)}: {lines} lines, at most {limit}"
+                for pattern, limit in LINE_LIMITS.items() for path in ROOT.glob(pattern) if path in FILES
+                for lines in [len(path.read_text(encoding="utf-8").splitlines())] if lines > limit]
+    assert not too_long, "pages over their line limit (move details to docs/):\n" + "\n".join(too_long)
+
+
 @pytest.mark.parametrize("path", FILES, ids=[path.relative_to(ROOT).as_posix() for path in FILES])
 def test_every_anchor_names_a_heading(path):
     broken = broken_anchors(path)
