@@ -8,6 +8,7 @@ skipped. Links inside code (fenced blocks and inline code spans) are not links a
 A link's `#anchor` into a Markdown file (or a pure anchor into its own page) must name one of
 that file's headings, as GitHub makes heading anchors.
 """
+import functools
 import re
 import subprocess
 from pathlib import Path
@@ -76,15 +77,20 @@ def heading_anchors(text):
     return anchors
 
 
+@functools.lru_cache(maxsize=None)
+def page_anchors(page):
+    """``heading_anchors`` of the Markdown file ``page``, read once however many links name it."""
+    return heading_anchors(page.read_text(encoding="utf-8"))
+
+
 def broken_anchors(path):
     """The links of ``path`` to '#anchor' of a Markdown file (itself included) that name none
     of its headings."""
     broken = []
     for line, target in local_links(path.read_text(encoding="utf-8")):
         file_part, _, anchor = unquote(target).partition("#")
-        page = path.parent / file_part if file_part else path
-        if anchor and page.suffix == ".md" and page.is_file() and anchor not in heading_anchors(
-                page.read_text(encoding="utf-8")):
+        page = (path.parent / file_part).resolve() if file_part else path
+        if anchor and page.suffix == ".md" and page.is_file() and anchor not in page_anchors(page):
             broken.append(f"{path.relative_to(ROOT)}:{line}: ({target}) names no heading of "
                           f"{page.resolve().relative_to(ROOT)}")
     return broken
